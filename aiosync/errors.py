@@ -1,0 +1,57 @@
+"""The one exception tree of aiosync.
+
+Every failure a user can see is an :class:`AiosyncError`. Messages name the peer, the
+weight version and the tensor involved wherever those are known, so that a log line alone
+says what went wrong and where.
+"""
+
+from __future__ import annotations
+
+
+def _context(peer: str | None, version: int | None, tensor: str | None) -> str:
+    parts = []
+    if peer is not None:
+        parts.append(f"peer {peer}")
+    if version is not None:
+        parts.append(f"version {version}")
+    if tensor is not None:
+        parts.append(f"tensor {tensor!r}")
+    return f" [{', '.join(parts)}]" if parts else ""
+
+
+class AiosyncError(Exception):
+    """Base of every error aiosync raises; carries the peer, version and tensor it concerns."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peer: str | None = None,
+        version: int | None = None,
+        tensor: str | None = None,
+    ) -> None:
+        super().__init__(message + _context(peer, version, tensor))
+        self.reason = message
+        self.peer = peer
+        self.version = version
+        self.tensor = tensor
+
+
+class ProtocolError(AiosyncError):
+    """A message was malformed, truncated, unknown or arrived out of order."""
+
+
+class MismatchError(AiosyncError):
+    """A tensor's name, dtype, shape or byte range does not fit the receiving model."""
+
+
+class RejectedError(AiosyncError):
+    """The peer refused a bucket or a commit; ``reason`` holds the peer's own message."""
+
+
+class SyncTimeoutError(AiosyncError, TimeoutError):
+    """A step waited longer than its configured timeout (the peer may be gone or stuck)."""
+
+
+class PeerGoneError(AiosyncError):
+    """The peer disconnected or announced it is closing while work was outstanding."""

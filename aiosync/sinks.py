@@ -1,0 +1,206 @@
+"""Where received tensors go: into an ``nn.Module`` by name, or to a ``load_weights`` callback.
+
+A sink is driven by the receiver from one worker thread: :meth:`WeightSink.check` for every
+spec of a bucket before any memory is touched, then :meth:`WeightSink.apply_bucket` with
+zero-copy views of the shared buffer (valid only during the call), then
+:meth:`WeightSink.commit` or :meth:`WeightSink.abort` at the end of the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
+
+import torch
+
+from aiosync.errors import MismatchError
+from aiosync.layout import TensorSpec, dtype_from_name, tensor_bytes
+
+BucketItems = list[tuple[TensorSpec, torch.Tensor]]
+
+
+class WeightSink(Protocol):
+    """What a receiver needs from the thing that owns the weights."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (CUDA buffers are opened on this device)."""
+
+    @property
+    def staged(self) -> bool:
+        """True when nothing visible changes before :meth:`commit` (a broken stream is harmless)."""
+
+    def check(self, spec: TensorSpec) -> None:
+        """Raise :class:`MismatchError` if ``spec`` does not fit the weights."""
+
+    def apply_bucket(self, items: BucketItems) -> None:
+        """Take one bucket's tensors; ``items`` are views into shared memory."""
+
+    def commit(self, version: int) -> None:
+        """Make everything applied since the last commit visible as ``version``."""
+
+    def abort(self) -> None:
+        """Forget everything applied since the last commit that is not yet visible."""
+
+
+def _sync_if_cuda(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class ModuleSink:
+    """Copies tensors into a module's parameters and buffers, matched by name.
+
+    In-place (default) writes straight into the weights: fastest, but a broken stream leaves
+    them mixed, and the receiver then marks the engine not servable. ``staged=True`` writes
+    into a shadow copy and copies it over only on commit, so a broken stream changes nothing.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, staged: bool = False) -> None:
+        self.targets: dict[str, torch.Tensor] = {
+            **dict(module.named_parameters()),
+            **dict(module.named_buffers()),
+        }
+        first = next(iter(self.targets.values()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+        self._staged = staged
+        self._shadow: dict[str, torch.Tensor] = {}
+        self._pending: set[str] = set()
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the module's first tensor."""
+        return self._device
+
+    @property
+    def staged(self) -> bool:
+        """Whether writes wait for commit."""
+        return self._staged
+
+    def check(self, spec: TensorSpec) -> None:
+        """Name known, dtype and shape equal; chunks only into contiguous tensors."""
+        target = self.targets.get(spec.name)
+        if target is None:
+            raise MismatchError("no such parameter or buffer in the model", tensor=spec.name)
+        dtype = dtype_from_name(spec.dtype)
+        if target.dtype != dtype or tuple(target.shape) != spec.shape:
+            raise MismatchError(
+                f"sent {spec.dtype}{list(spec.shape)}, model has "
+                f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}",
+                tensor=spec.name,
+            )
+        if not spec.is_whole and not target.is_contiguous():
+            raise MismatchError("chunked tensor needs a contiguous target", tensor=spec.name)
+
+    def _destination(self, name: str) -> torch.Tensor:
+        target = self.targets[name]
+        if not self._staged:
+            return target.data
+        shadow = self._shadow.get(name)
+        if shadow is None:
+            shadow = self._shadow[name] = torch.empty_like(target.data)
+        self._pending.add(name)
+        return shadow
+
+    def apply_bucket(self, items: BucketItems) -> None:
+        """Copy each view into its destination, then wait for the device to finish."""
+        with torch.no_grad():
+            for spec, view in items:
+                dst = self._destination(spec.name)
+                if spec.is_whole:
+                    dst.copy_(view, non_blocking=True)
+                else:
+                    tensor_bytes(dst)[spec.start : spec.start + spec.nbytes].copy_(
+                        view, non_blocking=True
+                    )
+        _sync_if_cuda(self._device)
+
+    def commit(self, version: int) -> None:
+        """Staged mode: copy every shadow written since the last commit into the model."""
+        with torch.no_grad():
+            for name in self._pending:
+                self.targets[name].data.copy_(self._shadow[name], non_blocking=True)
+        self._pending.clear()
+        _sync_if_cuda(self._device)
+
+    def abort(self) -> None:
+        """Staged mode: forget written shadows (the model was never touched)."""
+        self._pending.clear()
+
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+
+
+class CallbackSink:
+    """Hands each bucket's tensors to ``load_weights(pairs)``, the shape of vLLM's loader.
+
+    The tensors are views into shared memory, valid only during the call: the callback must
+    copy what it keeps. A tensor split across buckets is assembled first and passed whole.
+    ``expected`` (name -> (dtype, shape)) enables checks before anything is passed on.
+    """
+
+    def __init__(
+        self,
+        load_weights: LoadWeights,
+        *,
+        device: torch.device | str = "cpu",
+        expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+        on_commit: Callable[[int], object] | None = None,
+    ) -> None:
+        self._load = load_weights
+        self._device = torch.device(device)
+        self._expected = expected
+        self._on_commit = on_commit
+        self._assembling: dict[str, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """Where the callback wants its tensors."""
+        return self._device
+
+    @property
+    def staged(self) -> bool:
+        """False: the callback applies tensors as they arrive."""
+        return False
+
+    def check(self, spec: TensorSpec) -> None:
+        """With ``expected``: name known, dtype and shape equal."""
+        if self._expected is None:
+            return
+        if spec.name not in self._expected:
+            raise MismatchError("engine does not expect this tensor", tensor=spec.name)
+        dtype, shape = self._expected[spec.name]
+        if dtype_from_name(spec.dtype) != dtype or spec.shape != tuple(shape):
+            raise MismatchError(
+                f"sent {spec.dtype}{list(spec.shape)}, engine expects {dtype}{list(shape)}",
+                tensor=spec.name,
+            )
+
+    def apply_bucket(self, items: BucketItems) -> None:
+        """Pass whole tensors on in one call; keep chunks until their tensor is whole."""
+        ready: list[tuple[str, torch.Tensor]] = []
+        for spec, view in items:
+            if spec.is_whole:
+                ready.append((spec.name, view))
+                continue
+            whole = self._assembling.get(spec.name)
+            if whole is None:
+                whole = torch.empty(
+                    spec.shape, dtype=dtype_from_name(spec.dtype), device=view.device
+                )
+                self._assembling[spec.name] = whole
+            tensor_bytes(whole)[spec.start : spec.start + spec.nbytes].copy_(view)
+            if spec.is_last_chunk:
+                ready.append((spec.name, self._assembling.pop(spec.name)))
+        if ready:
+            self._load(ready)
+        _sync_if_cuda(self._device)
+
+    def commit(self, version: int) -> None:
+        """Call ``on_commit(version)`` if given."""
+        if self._on_commit is not None:
+            self._on_commit(version)
+
+    def abort(self) -> None:
+        """Drop half-assembled tensors."""
+        self._assembling.clear()
