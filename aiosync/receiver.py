@@ -29,7 +29,7 @@ from aiosync.memory import SharedBuffer, ShmSegment, open_buffer
 from aiosync.protocol import Phase, ReceiverProtocol
 from aiosync.sinks import WeightSink
 from aiosync.transports.zmq import ReceiverChannel
-from aiosync.wire import Abort, Ack, Bucket, Complete, Goodbye, Hello, Message, decode, encode
+from aiosync.wire import GOODBYE_SEQ, Abort, Ack, Bucket, Complete, Goodbye, Hello, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ class WeightReceiver:
             elif isinstance(message, Goodbye):
                 session.protocol.goodbye(message)
                 self._drop_session(key, "sender said goodbye")
+                await self._reply(envelope, Ack(seq=GOODBYE_SEQ, ok=True))
             else:
                 raise ProtocolError(f"unexpected {type(message).__name__}", peer=peer)
         except ProtocolError as exc:

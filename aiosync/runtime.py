@@ -33,10 +33,20 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool | None =
 
 
 def unwrap_group(exc: BaseException) -> BaseException:
-    """The one meaningful error inside (nested) exception groups, or the group itself."""
+    """The error that explains a (nested) exception group, or the group itself.
+
+    Stages that fail together (say two timeouts) raise a group; the first aiosync error in
+    it is the one to report, since the others are consequences of the same stall.
+    """
+    from aiosync.errors import AiosyncError
+
     while isinstance(exc, BaseExceptionGroup):
         real = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
-        if len(real) != 1:
+        ours = [e for e in real if isinstance(e, AiosyncError | BaseExceptionGroup)]
+        if len(real) == 1:
+            exc = real[0]
+        elif ours:
+            exc = ours[0]
+        else:
             return exc
-        exc = real[0]
     return exc

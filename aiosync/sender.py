@@ -29,11 +29,12 @@ from aiosync.pipeline import ProgressCallback, StreamRun, SyncReport, is_connect
 from aiosync.protocol import SenderProtocol
 from aiosync.runtime import unwrap_group
 from aiosync.transports.zmq import SenderChannel
-from aiosync.wire import PROTOCOL_VERSION, Abort, Goodbye, Hello, Ready, decode, encode
+from aiosync.wire import GOODBYE_SEQ, PROTOCOL_VERSION, Abort, Ack, Goodbye, Hello, Ready, decode, encode
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+CLOSE_TIMEOUT = 1.0  # seconds a closing sender waits for the goodbye to be acknowledged
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,19 @@ class WeightSender:
     ) -> None:
         try:
             if self._channel is not None and self._protocol is not None and self._broken is None:
-                with anyio.move_on_after(1.0, shield=True):
-                    session = self._protocol.session or ""
-                    await self._channel.send(encode(Goodbye(session=session)))
+                with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                    await self._say_goodbye(self._channel, self._protocol.session or "")
         finally:
             self._close()
+
+    @staticmethod
+    async def _say_goodbye(channel: SenderChannel, session: str) -> None:
+        """Close the session and wait for its ack, skipping acks of abandoned streams."""
+        await channel.send(encode(Goodbye(session=session)))
+        while True:
+            reply = decode(await channel.recv())
+            if isinstance(reply, Ack) and reply.seq == GOODBYE_SEQ:
+                return
 
     async def _open(self) -> None:
         cfg = self.config
@@ -196,7 +205,7 @@ class WeightSender:
             if is_connection_failure(exc) or self._channel.max_in_flight is not None:
                 self._broken = exc
             else:
-                with anyio.move_on_after(1.0, shield=True):
+                with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
                     await self._channel.send(encode(Abort(reason=str(exc), version=version)))
             if exc is group:
                 raise

@@ -49,18 +49,23 @@ def _sync_if_cuda(device: torch.device) -> None:
 
 
 class ModuleSink:
-    """Copies tensors into a module's parameters and buffers, matched by name.
+    """Copies tensors into a module's parameters and buffers (or a name -> tensor map) by name.
 
     In-place (default) writes straight into the weights: fastest, but a broken stream leaves
     them mixed, and the receiver then marks the engine not servable. ``staged=True`` writes
     into a shadow copy and copies it over only on commit, so a broken stream changes nothing.
     """
 
-    def __init__(self, module: torch.nn.Module, *, staged: bool = False) -> None:
-        self.targets: dict[str, torch.Tensor] = {
-            **dict(module.named_parameters()),
-            **dict(module.named_buffers()),
-        }
+    def __init__(
+        self, module: torch.nn.Module | Mapping[str, torch.Tensor], *, staged: bool = False
+    ) -> None:
+        if isinstance(module, torch.nn.Module):
+            self.targets: dict[str, torch.Tensor] = {
+                **dict(module.named_parameters()),
+                **dict(module.named_buffers()),
+            }
+        else:
+            self.targets = dict(module)
         first = next(iter(self.targets.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._staged = staged

@@ -93,8 +93,12 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     version: int | None = None
 
 
+GOODBYE_SEQ = -1
+"""Sequence number of the ack that answers a goodbye."""
+
+
 class Goodbye(msgspec.Struct, frozen=True, tag="goodbye"):
-    """Sender -> receiver: the session ends; its buffers may be released."""
+    """Sender -> receiver: the session ends; its buffers may be released. Answered by an ack."""
 
     session: str
 

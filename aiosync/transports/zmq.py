@@ -44,7 +44,7 @@ class SenderChannel:
         self.socket = socket
         self.endpoint = endpoint
         self._context = context
-        self.max_in_flight: int | None = 1 if socket.socket_type == zmq.REQ else None
+        self.max_in_flight: int | None = 1 if socket.type == zmq.REQ else None
 
     @classmethod
     def connect(cls, endpoint: str) -> SenderChannel:
@@ -63,7 +63,7 @@ class SenderChannel:
     @classmethod
     def wrap(cls, socket: zmq.Socket[bytes]) -> SenderChannel:
         """Drive a caller's (blocking) REQ, DEALER or PAIR socket from asyncio; not closed here."""
-        if socket.socket_type not in (zmq.REQ, zmq.DEALER, zmq.PAIR):
+        if socket.type not in (zmq.REQ, zmq.DEALER, zmq.PAIR):
             raise ValueError("the sender needs a REQ, DEALER or PAIR socket")
         endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT) or "<caller's socket>"
         shadow = zmq.asyncio.Socket.shadow(socket.underlying)

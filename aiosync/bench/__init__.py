@@ -1,0 +1,1 @@
+"""Benchmarks for ``aiosync bench``: baselines, physical floor, and synthetic models."""
