@@ -53,9 +53,7 @@ def _role_trainer(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    weights = {
-        name: t.to(device) for name, t in synthetic_state_dict(args.size_mb * MiB).items()
-    }
+    weights = {name: t.to(device) for name, t in synthetic_state_dict(args.size_mb * MiB).items()}
     total = sum(t.numel() * t.element_size() for t in weights.values())
     config = SenderConfig(
         buffer_bytes=args.buffer_mb * MiB, num_buffers=args.buffers, timeout=args.timeout
@@ -72,7 +70,9 @@ def _role_trainer(args: argparse.Namespace) -> int:
                 report = await sender.send(
                     weights.items(),
                     version=version,
-                    progress=lambda p: _emit("progress", version=p.version, bytes=p.bytes, total=total),
+                    progress=lambda p: _emit(
+                        "progress", version=p.version, bytes=p.bytes, total=total
+                    ),
                 )
                 _emit(
                     "synced",
@@ -128,9 +128,7 @@ def _role_engine(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    expected = {
-        name: t.to(device) for name, t in synthetic_state_dict(args.size_mb * MiB).items()
-    }
+    expected = {name: t.to(device) for name, t in synthetic_state_dict(args.size_mb * MiB).items()}
     model = {name: torch.zeros_like(t) for name, t in expected.items()}
     sink = _TimedSink(ModuleSink(model))
     state = {"verified": -1, "bad": 0}
@@ -247,8 +245,8 @@ def run_stream(args: argparse.Namespace, *, verify: bool, show: bool) -> dict[st
             ready = next(engine_events, None)
             if ready is None or ready.get("event") != "ready":
                 raise RuntimeError("engine process exited before it was ready")
-            trainer_argv = common + [
-                "--buffer-mb", str(args.buffer_mb), "--buffers", str(args.buffers)
+            trainer_argv = [
+                *common, "--buffer-mb", str(args.buffer_mb), "--buffers", str(args.buffers)
             ]  # fmt: skip
             with _spawn("trainer", trainer_argv) as trainer:
                 assert trainer.stdout is not None
@@ -257,9 +255,10 @@ def run_stream(args: argparse.Namespace, *, verify: bool, show: bool) -> dict[st
                         progress.update(event["version"], event["bytes"], event["total"])
                     elif event["event"] == "synced":
                         synced[event["version"]] = event
+                        rate = event["bytes"] / event["seconds"] / 1e9
                         progress.line(
                             f"version {event['version']}: {event['bytes'] / 1e9:.2f} GB in "
-                            f"{event['seconds']:.3f}s ({event['bytes'] / event['seconds'] / 1e9:.2f} GB/s)"
+                            f"{event['seconds']:.3f}s ({rate:.2f} GB/s)"
                         )
                 trainer_rc = trainer.wait(timeout=args.timeout)
             for event in engine_events:

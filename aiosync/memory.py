@@ -149,7 +149,7 @@ def get_handle_from_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
 
     if not tensor.is_cuda:
         raise ValueError(f"IPC handles are for CUDA tensors; this one is on {tensor.device}")
-    return tuple(reduce_tensor(tensor)[1])
+    return tuple(reduce_tensor(tensor)[1])  # type: ignore[no-untyped-call]
 
 
 _DEVICE_SLOT = 6  # index of the storage device within torch's rebuild arguments
@@ -161,7 +161,8 @@ def rebuild_cuda_tensor_from_ipc(cuda_ipc_handle: tuple[Any, ...], device_id: in
 
     args = list(cuda_ipc_handle)
     args[_DEVICE_SLOT] = device_id
-    return rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
+    tensor: torch.Tensor = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
+    return tensor
 
 
 class CudaBuffer:
@@ -185,7 +186,7 @@ class CudaBuffer:
             ref_offset,
             event_handle,
             event_sync,
-        ) = storage._share_cuda_()  # type: ignore[attr-defined]
+        ) = storage._share_cuda_()  # type: ignore[no-untyped-call]
         wire = CudaIpcHandle(
             device=int(dev),
             handle=bytes(handle),

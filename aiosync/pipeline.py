@@ -65,7 +65,7 @@ def make_packer(device: torch.device) -> Callable[[torch.Tensor, BucketPlan], No
     """
     if device.type != "cuda":
         return pack_bucket
-    stream = torch.cuda.Stream(device=device)
+    stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def pack_on_side_stream(buffer: torch.Tensor, plan: BucketPlan) -> None:
         stream.wait_stream(torch.cuda.default_stream(device))
@@ -186,9 +186,7 @@ class StreamRun:
         async for item in sent:
             seq, ack = await self._recv_ack("ack for a bucket", item.plan)
             if seq != item.seq:
-                raise ProtocolError(
-                    f"ack {seq} for bucket {item.seq}", peer=self.channel.endpoint
-                )
+                raise ProtocolError(f"ack {seq} for bucket {item.seq}", peer=self.channel.endpoint)
             if not ack.ok:
                 raise RejectedError(
                     ack.error or "bucket refused",
@@ -213,11 +211,10 @@ class StreamRun:
         sent_tx, sent_rx = anyio.create_memory_object_stream[_Sent](n)
         for index in range(n):
             free_tx.send_nowait(index)
-        async with free_tx, free_rx, packed_rx, sent_rx:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._pack_stage, plans, free_rx, packed_tx)
-                tg.start_soon(self._send_stage, packed_rx, sent_tx)
-                tg.start_soon(self._ack_stage, sent_rx, free_tx)
+        async with free_tx, free_rx, packed_rx, sent_rx, anyio.create_task_group() as tg:
+            tg.start_soon(self._pack_stage, plans, free_rx, packed_tx)
+            tg.start_soon(self._send_stage, packed_rx, sent_tx)
+            tg.start_soon(self._ack_stage, sent_rx, free_tx)
         async with self._window:
             seq = self.protocol.next_seq()
             await self._send(Complete(seq, self.version, self.buckets, self.tensors))
@@ -236,5 +233,5 @@ class StreamRun:
 
 
 def is_connection_failure(exc: BaseException) -> bool:
-    """True for errors after which the session cannot be trusted (timeouts, lost or confused peers)."""
+    """True for errors after which the session cannot be trusted (timeouts, lost peers)."""
     return isinstance(exc, SyncTimeoutError | PeerGoneError | ProtocolError)

@@ -82,7 +82,9 @@ class ReceiverProtocol:
         if self.phase is Phase.CLOSED:
             raise self._error("message after goodbye", version=version)
         if seq != self.next_seq:
-            raise self._error(f"sequence {seq} out of order (expected {self.next_seq})", version=version)
+            raise self._error(
+                f"sequence {seq} out of order (expected {self.next_seq})", version=version
+            )
         self.next_seq += 1
 
     def check_bucket(self, msg: Bucket) -> None:
@@ -129,7 +131,8 @@ class ReceiverProtocol:
     def bucket_applied(self, msg: Bucket) -> Ack:
         """Record a bucket the sink applied; returns its positive ack."""
         progress = self.stream
-        assert progress is not None and progress.version == msg.version
+        assert progress is not None
+        assert progress.version == msg.version
         progress.buckets += 1
         for spec in msg.specs:
             if spec.is_last_chunk:

@@ -29,7 +29,18 @@ from aiosync.memory import SharedBuffer, ShmSegment, open_buffer
 from aiosync.protocol import Phase, ReceiverProtocol
 from aiosync.sinks import WeightSink
 from aiosync.transports.zmq import ReceiverChannel
-from aiosync.wire import GOODBYE_SEQ, Abort, Ack, Bucket, Complete, Goodbye, Hello, Message, decode, encode
+from aiosync.wire import (
+    GOODBYE_SEQ,
+    Abort,
+    Ack,
+    Bucket,
+    Complete,
+    Goodbye,
+    Hello,
+    Message,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +152,7 @@ class WeightReceiver:
                 self._channel = None
 
     async def wait_for_version(self, version: int, timeout: float) -> int:
-        """Wait until ``current_version >= version``; :class:`SyncTimeoutError` after ``timeout``."""
+        """Wait until ``current_version >= version``; :class:`SyncTimeoutError` after timeout."""
         deadline = time.monotonic() + timeout
         while self.current_version is None or self.current_version < version:
             remaining = deadline - time.monotonic()

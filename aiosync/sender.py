@@ -25,11 +25,27 @@ import torch
 from aiosync.errors import AiosyncError, PeerGoneError, ProtocolError, RejectedError
 from aiosync.layout import ALIGNMENT, calculate_aligned_size, plan_buckets
 from aiosync.memory import SharedBuffer, ShmSegment, create_buffer
-from aiosync.pipeline import ProgressCallback, StreamRun, SyncReport, is_connection_failure, make_packer
+from aiosync.pipeline import (
+    ProgressCallback,
+    StreamRun,
+    SyncReport,
+    is_connection_failure,
+    make_packer,
+)
 from aiosync.protocol import SenderProtocol
 from aiosync.runtime import unwrap_group
 from aiosync.transports.zmq import SenderChannel
-from aiosync.wire import GOODBYE_SEQ, PROTOCOL_VERSION, Abort, Ack, Goodbye, Hello, Ready, decode, encode
+from aiosync.wire import (
+    GOODBYE_SEQ,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Goodbye,
+    Hello,
+    Ready,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +170,9 @@ class WeightSender:
         for buf in self._buffers:  # the receiver has mapped them: no name needs to outlive us
             if isinstance(buf, ShmSegment):
                 buf.unlink()
-        log.info("session %s open with %s (receiver at version %s)", session, self.peer, reply.version)
+        log.info(
+            "session %s open with %s (receiver at version %s)", session, self.peer, reply.version
+        )
 
     def _close(self) -> None:
         for buf in self._buffers:

@@ -7,8 +7,6 @@ by the state machines in :mod:`aiosync.protocol`.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from aiosync.errors import ProtocolError
@@ -39,7 +37,7 @@ class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda"):
     size: int
 
 
-BufferHandle = Union[ShmHandle, CudaIpcHandle]
+BufferHandle = ShmHandle | CudaIpcHandle
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -69,7 +67,7 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
 
 
 class Complete(msgspec.Struct, frozen=True, tag="complete"):
-    """Sender -> receiver: ``version`` was sent whole in ``buckets`` buckets, ``tensors`` tensors."""
+    """Sender -> receiver: ``version`` went out whole, in ``buckets`` buckets of ``tensors``."""
 
     seq: int
     version: int
@@ -103,7 +101,7 @@ class Goodbye(msgspec.Struct, frozen=True, tag="goodbye"):
     session: str
 
 
-Message = Union[Hello, Ready, Bucket, Complete, Ack, Abort, Goodbye]
+Message = Hello | Ready | Bucket | Complete | Ack | Abort | Goodbye
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

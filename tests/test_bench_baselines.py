@@ -76,7 +76,7 @@ def test_llama_shapes_are_llama_like() -> None:
 
 
 def test_llama_shapes_rejects_nonpositive() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="positive"):
         llama_shapes(0)
 
 
@@ -134,7 +134,7 @@ KEYS = {"seconds", "trainer_seconds", "engine_seconds", "GBps"}
 
 
 def _check_result(res: dict[str, object], sd: dict[str, torch.Tensor], repeats: int) -> None:
-    assert KEYS <= res.keys()
+    assert res.keys() >= KEYS
     for key in KEYS:
         value = res[key]
         assert isinstance(value, float)
@@ -147,9 +147,7 @@ def _check_result(res: dict[str, object], sd: dict[str, torch.Tensor], repeats: 
 @pytest.mark.usefixtures("no_shm_leftovers")
 @pytest.mark.parametrize("by_size", [True, False], ids=["llama_shapes", "layout_msg"])
 @pytest.mark.parametrize("measure", [measure_torch_save_zmq, measure_safetensors_shm])
-def test_baseline_end_to_end(
-    measure: object, by_size: bool, sd: dict[str, torch.Tensor]
-) -> None:
+def test_baseline_end_to_end(measure: object, by_size: bool, sd: dict[str, torch.Tensor]) -> None:
     threads = torch.get_num_threads()
     assert callable(measure)
     res = measure(sd, repeats=2, total_bytes=SIZE if by_size else None, timeout_s=60.0)
@@ -188,9 +186,7 @@ def test_engine_failure_is_reported_not_hung() -> None:
         _load_partial_file(small, partial)
 
 
-def _load_partial_file(
-    full: dict[str, torch.Tensor], partial: dict[str, torch.Tensor]
-) -> None:
+def _load_partial_file(full: dict[str, torch.Tensor], partial: dict[str, torch.Tensor]) -> None:
     engine = baselines._Engine("safetensors", full, None, 30.0)
     path = baselines.SHM_DIR / f"{baselines.SHM_PREFIX}test-partial.safetensors"
     try:

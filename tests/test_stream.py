@@ -147,7 +147,8 @@ async def test_engine_rejection_names_the_tensor_and_keeps_the_version(change, m
         assert info.value.version == 1
         assert receiver.current_version == 0
         assert receiver.servable  # staged: nothing visible changed
-        assert receiver.last_failure is not None and receiver.last_failure.version == 1
+        assert receiver.last_failure is not None
+        assert receiver.last_failure.version == 1
         assert_same(target, {k: v.contiguous() for k, v in good.items()})
         # the session survives a rejection: the next good version goes through
         await sender.send(bump(good, 2).items(), version=2)
@@ -164,12 +165,13 @@ async def test_in_place_rejection_mid_stream_marks_engine_not_servable() -> None
         await sender.send(good.items(), version=0)
         bad = dict(bump(good, 1))
         bad["zz.unknown"] = torch.ones(4)  # last: earlier buckets are already applied
-        with pytest.raises(RejectedError, match="zz.unknown"):
+        with pytest.raises(RejectedError, match=r"zz\.unknown"):
             await sender.send(bad.items(), version=1)
         assert receiver.current_version == 0
         assert not receiver.servable
         await sender.send(bump(good, 2).items(), version=2)
-        assert receiver.servable and receiver.current_version == 2
+        assert receiver.servable
+        assert receiver.current_version == 2
 
 
 async def test_callback_errors_reach_the_sender_with_tensor_names() -> None:
@@ -242,6 +244,7 @@ async def test_silent_trainer_mid_stream_is_reported_and_version_kept() -> None:
         finally:
             segment.close()
         failure = receiver.failures[-1]
-        assert failure.version == 1 and "silent" in failure.reason
+        assert failure.version == 1
+        assert "silent" in failure.reason
         assert receiver.current_version == 0
         assert not receiver.servable

@@ -1,4 +1,4 @@
-"""Engine side of the ``aiosync bench`` baselines, run as ``python -m aiosync.bench.baseline_engine``.
+"""Engine side of the ``aiosync bench`` baselines: ``python -m aiosync.bench.baseline_engine``.
 
 Connects a ZMQ PAIR socket to the trainer (``--endpoint``), preallocates destination tensors
 (from ``llama_shapes(--total-bytes, --dtype)``, or from a JSON ``layout`` message when no size
@@ -17,6 +17,7 @@ timeout (``--timeout``), so an orphaned engine does not hang around.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import sys
@@ -77,7 +78,11 @@ def serve(endpoint: str, mode: str, timeout_s: float, dst_spec: Any) -> None:
                 layout = [(n, shape, dtype) for n, shape in llama_shapes(total_bytes, dtype)]
             t0 = time.perf_counter()
             dst = _allocate(layout)
-            ready = {"type": "ready", "tensors": len(dst), "alloc_seconds": time.perf_counter() - t0}
+            ready = {
+                "type": "ready",
+                "tensors": len(dst),
+                "alloc_seconds": time.perf_counter() - t0,
+            }
             sock.send(json.dumps(ready).encode())
             while True:
                 frames = _recv(sock, timeout_s)
@@ -107,10 +112,8 @@ def serve(endpoint: str, mode: str, timeout_s: float, dst_spec: Any) -> None:
                 sock.send(json.dumps(done).encode())
         except Exception as exc:
             err = {"type": "error", "error": f"{type(exc).__name__}: {exc}"}
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 sock.send(json.dumps(err).encode(), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
             raise
     finally:
         sock.close()

@@ -155,7 +155,7 @@ def llama_shapes(
 def synthetic_state_dict(
     total_bytes: int, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """A Llama-shaped state dict of ~``total_bytes`` (see :func:`llama_shapes`), on CPU.
+    """Build a Llama-shaped state dict of ~``total_bytes`` (see :func:`llama_shapes`), on CPU.
 
     Matrices are ``N(0, 0.02)``, norm weights ``U(0.9, 1.1)``; deterministic for a given
     ``seed`` (one ``torch.Generator`` filled in name order).
@@ -304,7 +304,7 @@ class _Engine:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._stderr = tempfile.TemporaryFile()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self._proc = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=self._stderr, stderr=self._stderr
         )
@@ -313,8 +313,7 @@ class _Engine:
                 {
                     "type": "layout",
                     "tensors": [
-                        [name, list(t.shape), dtype_name(t.dtype)]
-                        for name, t in state_dict.items()
+                        [name, list(t.shape), dtype_name(t.dtype)] for name, t in state_dict.items()
                     ],
                 }
             )
@@ -444,7 +443,7 @@ def measure_torch_save_zmq(
 
     Per transfer, the trainer serialises ``state_dict`` with ``torch.save`` into an
     ``io.BytesIO`` and sends its buffer (zero-copy on the sending side) to the engine child,
-    which ``torch.load(..., weights_only=True)``\\ s it and copies every tensor by name into
+    which ``torch.load(..., weights_only=True)`` loads it and copies every tensor by name into
     its preallocated tensors, then replies. The engine is started and has allocated its
     destination before timing starts.
 
