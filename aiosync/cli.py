@@ -132,8 +132,10 @@ def _role_engine(args: argparse.Namespace) -> int:
     model = {name: torch.zeros_like(t) for name, t in expected.items()}
     sink = _TimedSink(ModuleSink(model))
     state = {"verified": -1, "bad": 0}
+    all_verified = anyio.Event()
 
     def verify(version: int) -> None:
+        """Repeat the trainer's step on the expected copy and compare (a worker thread)."""
         busy, sink.busy = sink.busy, 0.0
         ok = version == state["verified"] + 1
         if ok and args.verify:
@@ -144,15 +146,17 @@ def _role_engine(args: argparse.Namespace) -> int:
         state["verified"] = version
         state["bad"] += 0 if ok else 1
         _emit("committed", version=version, verified=ok, engine_seconds=busy)
+        if version == args.versions - 1:
+            anyio.from_thread.run_sync(all_verified.set)
 
     async def main() -> None:
         config = ReceiverConfig(stream_timeout=args.timeout)
         async with WeightReceiver(sink, args.endpoint, config=config, on_commit=verify) as rx:
             _emit("ready", endpoint=rx.endpoint)
-            if args.versions:
-                await rx.wait_for_version(args.versions - 1, timeout=args.timeout * args.versions)
-            else:
+            if not args.versions:
                 await anyio.sleep_forever()
+            with anyio.fail_after(args.timeout * args.versions):
+                await all_verified.wait()
 
     run(main)
     return 1 if state["bad"] else 0
@@ -200,14 +204,15 @@ def _events(stream: IO[str]) -> Iterator[dict[str, Any]]:
 
 
 class _Progress:
-    """A one-line progress bar on stderr (silent when stderr is not a terminal and quiet)."""
+    """Progress on stderr: a live bar on a terminal, one line per version otherwise."""
 
     def __init__(self, versions: int, enabled: bool) -> None:
         self.versions = versions
         self.enabled = enabled
+        self.live = enabled and sys.stderr.isatty()
 
     def update(self, version: int, done: int, total: int) -> None:
-        if not self.enabled:
+        if not self.live:
             return
         width = 30
         filled = width * done // max(total, 1)
@@ -219,7 +224,7 @@ class _Progress:
 
     def line(self, text: str) -> None:
         if self.enabled:
-            sys.stderr.write("\r" + text.ljust(70) + "\n")
+            sys.stderr.write(("\r" if self.live else "") + text.ljust(70) + "\n")
             sys.stderr.flush()
 
 

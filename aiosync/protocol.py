@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from aiosync.errors import ProtocolError, RejectedError
-from aiosync.layout import validate_specs
+from aiosync.layout import TensorSpec, validate_specs
 from aiosync.wire import PROTOCOL_VERSION, Abort, Ack, Bucket, Complete, Goodbye, Hello, Ready
 
 
@@ -37,7 +37,12 @@ class StreamProgress:
     buckets: int = 0
     tensors: int = 0
     done: set[str] = field(default_factory=set)
-    partial: dict[str, int] = field(default_factory=dict)
+    partial: dict[str, TensorSpec] = field(default_factory=dict)  # last chunk seen, by name
+
+    @property
+    def received(self) -> dict[str, int]:
+        """Bytes received so far of each tensor that is still incomplete."""
+        return {name: spec.start + spec.nbytes for name, spec in self.partial.items()}
 
 
 class ReceiverProtocol:
@@ -87,6 +92,15 @@ class ReceiverProtocol:
             )
         self.next_seq += 1
 
+    def _open_stream(self, version: int) -> None:
+        if self.current_version is not None and version <= self.current_version:
+            raise self._error(
+                f"version {version} is not newer than current {self.current_version}",
+                version=version,
+            )
+        self.stream = StreamProgress(version)
+        self.phase = Phase.STREAMING
+
     def check_bucket(self, msg: Bucket) -> None:
         """Validate a bucket's place in the stream and its layout; opens a stream if needed."""
         self._take_seq(msg.seq, msg.version)
@@ -97,13 +111,7 @@ class ReceiverProtocol:
                     f"bucket of version {msg.version} while version {stream.version} is open",
                     version=msg.version,
                 )
-            if self.current_version is not None and msg.version <= self.current_version:
-                raise self._error(
-                    f"version {msg.version} is not newer than current {self.current_version}",
-                    version=msg.version,
-                )
-            self.stream = StreamProgress(msg.version)
-            self.phase = Phase.STREAMING
+            self._open_stream(msg.version)
         elif self.phase is Phase.FAILED:
             raise RejectedError("stream already failed", peer=self.peer, version=msg.version)
         if not 0 <= msg.buffer < len(self.buffer_sizes):
@@ -116,13 +124,26 @@ class ReceiverProtocol:
             ) from None
         progress = self.stream
         assert progress is not None
+        in_bucket: set[str] = set()
         for spec in msg.specs:
-            if spec.name in progress.done:
+            if spec.name in progress.done or spec.name in in_bucket:
                 raise self._error(f"tensor {spec.name!r} sent twice", version=msg.version)
-            expected = progress.partial.get(spec.name, 0)
+            in_bucket.add(spec.name)
+            previous = progress.partial.get(spec.name)
+            expected = 0 if previous is None else previous.start + previous.nbytes
             if spec.start != expected:
                 raise ProtocolError(
                     f"chunk starts at byte {spec.start}, expected {expected}",
+                    peer=self.peer,
+                    version=msg.version,
+                    tensor=spec.name,
+                )
+            if previous is not None and (previous.dtype, previous.shape) != (
+                spec.dtype,
+                spec.shape,
+            ):
+                raise ProtocolError(
+                    "chunks disagree on dtype or shape",
                     peer=self.peer,
                     version=msg.version,
                     tensor=spec.name,
@@ -140,7 +161,7 @@ class ReceiverProtocol:
                 progress.done.add(spec.name)
                 progress.tensors += 1
             else:
-                progress.partial[spec.name] = spec.start + spec.nbytes
+                progress.partial[spec.name] = spec
         return Ack(seq=msg.seq, ok=True)
 
     def fail(self) -> None:
@@ -152,6 +173,9 @@ class ReceiverProtocol:
         """Validate a commit request against everything applied for its version."""
         self._take_seq(msg.seq, msg.version)
         progress = self.stream
+        if progress is None and msg.buckets == 0 and self.phase is Phase.IDLE:
+            self._open_stream(msg.version)  # a version with no tensors at all
+            progress = self.stream
         if progress is None or progress.version != msg.version:
             raise self._error("complete for a version that was never streamed", version=msg.version)
         if self.phase is Phase.FAILED:

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from aiosync import layout
 from aiosync.errors import AiosyncError
+from aiosync.layout import dtype_from_name
 from aiosync.memory import ShmSegment, get_handle_from_tensor, rebuild_cuda_tensor_from_ipc
 from aiosync.wire import ShmHandle
 
@@ -71,23 +73,12 @@ def _normalize_device(device: torch.device | str | int) -> torch.device:
     return dev
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise AiosyncError(f"teacher handle names unknown dtype {name!r}")
-    return dtype
-
-
 def _shm_handle(segment: ShmSegment, dtype: torch.dtype, shape: Sequence[int]) -> tuple[Any, ...]:
     return (
         SHM_HANDLE_TAG,
         segment.name,
         int(segment.size),
-        _dtype_name(dtype),
+        layout.dtype_name(dtype),
         tuple(int(d) for d in shape),
     )
 
@@ -216,7 +207,7 @@ def ensure_teacher_ipc_buffer(
     log.info(
         "allocated teacher buffer %s %s on %s (requested %s)",
         list(shape),
-        _dtype_name(dtype),
+        layout.dtype_name(dtype),
         dev,
         list(requested),
     )
@@ -232,7 +223,7 @@ def _open_shm(handle: Sequence[Any]) -> torch.Tensor:
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d > 0 for d in shape):
         raise AiosyncError(f"malformed shape {shape!r} in teacher handle")
     dims = [int(d) for d in shape]
-    dtype = _dtype_from_name(dtype_name)
+    dtype = dtype_from_name(dtype_name)
     numel = 1
     for d in dims:
         numel *= d

@@ -116,5 +116,5 @@ def decode(data: bytes | memoryview) -> Message:
     """Parse bytes into one message; :class:`ProtocolError` if malformed, truncated or unknown."""
     try:
         return _decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from None

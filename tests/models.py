@@ -31,3 +31,11 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     for name in a:
         assert a[name].dtype == b[name].dtype, name
         assert torch.equal(a[name], b[name]), name
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (any device, any dtype): equal digests mean bit-exact."""
+    import hashlib
+
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()

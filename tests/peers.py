@@ -14,9 +14,9 @@ from collections.abc import Iterable, Iterator
 import anyio
 import torch
 
-from aiosync import CallbackSink, SenderConfig, WeightReceiver, WeightSender
+from aiosync import CallbackSink, ModuleSink, SenderConfig, WeightReceiver, WeightSender
 from aiosync.runtime import run
-from tests.models import mixed_weights
+from tests.models import digest, mixed_weights
 
 
 def emit(event: str, **fields: object) -> None:
@@ -24,7 +24,10 @@ def emit(event: str, **fields: object) -> None:
 
 
 def engine(args: argparse.Namespace) -> None:
-    """An engine whose loader takes ``--delay`` seconds per bucket."""
+    """An engine whose loader takes ``--delay`` seconds per bucket (or a module, ``--module``)."""
+    if args.module:
+        module_engine(args)
+        return
 
     def load_weights(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         emit("applying", names=[name for name, _ in pairs])
@@ -32,6 +35,26 @@ def engine(args: argparse.Namespace) -> None:
 
     async def main() -> None:
         async with WeightReceiver(CallbackSink(load_weights), args.endpoint) as receiver:
+            emit("ready", endpoint=receiver.endpoint)
+            await anyio.sleep_forever()
+
+    run(main)
+
+
+def module_engine(args: argparse.Namespace) -> None:
+    """An engine holding ``mixed_weights`` shapes on ``--device``; reports digests per commit."""
+    device = torch.device(args.device)
+    model = {
+        name: torch.zeros(t.shape, dtype=t.dtype, device=device)
+        for name, t in mixed_weights().items()
+    }
+
+    def committed(version: int) -> None:
+        emit("committed", version=version, digests={n: digest(t) for n, t in model.items()})
+
+    async def main() -> None:
+        sink = ModuleSink(model)
+        async with WeightReceiver(sink, args.endpoint, on_commit=committed) as receiver:
             emit("ready", endpoint=receiver.endpoint)
             await anyio.sleep_forever()
 
@@ -67,5 +90,7 @@ if __name__ == "__main__":
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--stall-after", type=int, default=1)
+    parser.add_argument("--module", action="store_true")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     engine(args) if args.role == "engine" else trainer(args)

@@ -331,6 +331,9 @@ def test_cross_process_cuda_ipc() -> None:
     assert "child ok" in proc.stdout
     torch.cuda.synchronize()
     assert torch.equal(storage[1], -want)
+    # The child is gone: free the exported block now rather than at interpreter exit.
+    del storage, handle
+    torch.cuda.ipc_collect()
 
 
 # --------------------------------------------------------------------------------------

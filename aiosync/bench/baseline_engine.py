@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import zmq
 
-from aiosync.bench.baselines import dtype_from_name, llama_shapes, tensor_digest
+from aiosync.bench.baselines import llama_shapes, tensor_digest
+from aiosync.layout import dtype_from_name
 
 
 def _recv(sock: zmq.Socket[bytes], timeout_s: float) -> list[bytes]:

@@ -39,14 +39,14 @@ from typing import IO, Any
 import torch
 import zmq
 
+from aiosync.layout import dtype_name
+
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SHM_DIR",
     "SHM_PREFIX",
-    "dtype_from_name",
-    "dtype_name",
     "llama_shapes",
     "measure_memcpy",
     "measure_safetensors_shm",
@@ -70,19 +70,6 @@ _SIZE_TOLERANCE = 0.03
 # --------------------------------------------------------------------------------------
 # dtypes
 # --------------------------------------------------------------------------------------
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Return the short name of a torch dtype, e.g. ``"float32"`` (for argv and JSON)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`; raise ``ValueError`` for anything that is not a dtype."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
 
 
 # --------------------------------------------------------------------------------------
