@@ -67,7 +67,7 @@ class SenderConfig:
     num_buffers: int = 2
     timeout: float = 60.0
     name: str = ""
-    first_bucket_fraction: int = 8
+    first_bucket_fraction: int = 1
 
     def __post_init__(self) -> None:
         if self.num_buffers < 1:

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from aiosync.errors import MismatchError
-from aiosync.layout import TensorSpec, dtype_from_name, tensor_bytes
+from aiosync.layout import TensorSpec, copy_bytes, dtype_from_name, is_plain, tensor_bytes
 
 BucketItems = list[tuple[TensorSpec, torch.Tensor]]
 
@@ -94,7 +94,7 @@ class ModuleSink:
                 f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}",
                 tensor=spec.name,
             )
-        if not spec.is_whole and not target.is_contiguous():
+        if not spec.is_whole and not is_plain(target):
             raise MismatchError("chunked tensor needs a contiguous target", tensor=spec.name)
 
     def _destination(self, name: str) -> torch.Tensor:
@@ -112,12 +112,11 @@ class ModuleSink:
         with torch.no_grad():
             for spec, view in items:
                 dst = self._destination(spec.name)
-                if spec.is_whole:
-                    dst.copy_(view, non_blocking=True)
-                else:
-                    tensor_bytes(dst)[spec.start : spec.start + spec.nbytes].copy_(
-                        view, non_blocking=True
-                    )
+                if not is_plain(dst):
+                    dst.copy_(view, non_blocking=True)  # whole: chunks need plain targets
+                    continue
+                raw = tensor_bytes(view) if spec.is_whole else view
+                copy_bytes(tensor_bytes(dst)[spec.start : spec.start + spec.nbytes], raw)
         _sync_if_cuda(self._device)
 
     def commit(self, version: int) -> None:
@@ -194,7 +193,7 @@ class CallbackSink:
                     spec.shape, dtype=dtype_from_name(spec.dtype), device=view.device
                 )
                 self._assembling[spec.name] = whole
-            tensor_bytes(whole)[spec.start : spec.start + spec.nbytes].copy_(view)
+            copy_bytes(tensor_bytes(whole)[spec.start : spec.start + spec.nbytes], view)
             if spec.is_last_chunk:
                 ready.append((spec.name, self._assembling.pop(spec.name)))
         if ready:
