@@ -53,7 +53,7 @@ def _role_trainer(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    weights = {name: t.to(device) for name, t in synthetic_state_dict(args.size_mb * MiB).items()}
+    weights = synthetic_state_dict(args.size_mb * MiB, device=device)
     total = sum(t.numel() * t.element_size() for t in weights.values())
     config = SenderConfig(
         buffer_bytes=args.buffer_mb * MiB, num_buffers=args.buffers, timeout=args.timeout
@@ -128,7 +128,7 @@ def _role_engine(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    expected = {name: t.to(device) for name, t in synthetic_state_dict(args.size_mb * MiB).items()}
+    expected = synthetic_state_dict(args.size_mb * MiB, device=device)
     model = {name: torch.zeros_like(t) for name, t in expected.items()}
     sink = _TimedSink(ModuleSink(model))
     state = {"verified": -1, "bad": 0}
@@ -314,9 +314,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     show = not args.quiet
     nbytes_target = args.size_mb * MiB
-    memcpy = baselines.measure_memcpy(nbytes_target)
+    device = _resolve_device(args.device)
+    memcpy = baselines.measure_memcpy(min(nbytes_target, 1 << 30))
     if show:
         print(f"memcpy (1 thread): {memcpy:.2f} GB/s", file=sys.stderr)
+    gpu_copy = None
+    if device.startswith("cuda"):
+        gpu_copy = baselines.measure_device_copy(nbytes_target, device)
+        if show:
+            print(f"GPU copy on {device}: {gpu_copy:.1f} GB/s", file=sys.stderr)
     args.versions = args.repeats + 1  # the first version warms up buffers and page tables
     result = run_stream(args, verify=False, show=show)
     if result["trainer_rc"] or result["engine_rc"] or len(result["synced"]) != args.versions:
@@ -334,10 +340,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "ratio_to_memcpy": memcpy / (nbytes / seconds / 1e9),
         "trainer_seconds": seconds,
         "engine_seconds": engine,
-        "device": _resolve_device(args.device),
+        "device": device,
         "buffers": args.buffers,
         "buffer_mb": args.buffer_mb,
     }
+    if gpu_copy is not None:
+        out["gpu_copy_GBps"] = gpu_copy
+        out["ratio_to_gpu_copy"] = gpu_copy / out["GBps"]
     if not args.skip_baselines:
         state = baselines.synthetic_state_dict(nbytes_target)
         out["torch_save_zmq"] = baselines.measure_torch_save_zmq(state, repeats=args.repeats)

@@ -140,18 +140,21 @@ def llama_shapes(
 
 
 def synthetic_state_dict(
-    total_bytes: int, dtype: torch.dtype = torch.float32, seed: int = 0
+    total_bytes: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Build a Llama-shaped state dict of ~``total_bytes`` (see :func:`llama_shapes`), on CPU.
+    """Build a Llama-shaped state dict of ~``total_bytes`` (see :func:`llama_shapes`).
 
     Matrices are ``N(0, 0.02)``, norm weights ``U(0.9, 1.1)``; deterministic for a given
-    ``seed`` (one ``torch.Generator`` filled in name order).
+    ``seed`` and device type (one ``torch.Generator`` on ``device``, filled in name order).
     """
-    gen = torch.Generator(device="cpu")
+    gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in llama_shapes(total_bytes, dtype):
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=device)
         if len(shape) == 1:
             t.uniform_(0.9, 1.1, generator=gen)
         else:
@@ -227,6 +230,26 @@ def measure_memcpy(nbytes: int, repeats: int = 5) -> float:
     gbps = nbytes / statistics.median(times) / 1e9
     log.info("memcpy %d bytes: %.2f GB/s (median of %d)", nbytes, gbps, repeats)
     return gbps
+
+
+def measure_device_copy(nbytes: int, device: torch.device | str, repeats: int = 5) -> float:
+    """Device-to-device ``copy_`` bandwidth over ``nbytes`` on a GPU, in GB/s (bytes once).
+
+    Timed with CUDA events; median of ``repeats`` after one warm-up copy.
+    """
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
 
 
 # --------------------------------------------------------------------------------------
