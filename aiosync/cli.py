@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import statistics
 import subprocess
@@ -165,22 +164,16 @@ def _role_engine(args: argparse.Namespace) -> int:
 # --- parent side ---------------------------------------------------------------------------
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 @contextmanager
 def _spawn(role: str, argv: list[str]) -> Iterator[subprocess.Popen[str]]:
     """Start ``aiosync <role>`` as a child; it is killed on the way out if still running."""
+    from aiosync.runtime import child_env
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "aiosync.cli", role, *argv],
         stdout=subprocess.PIPE,
         text=True,
-        env=_child_env(),
+        env=child_env(),
     )
     try:
         yield proc

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a child Python process that must import this same aiosync.
+
+    The package's root goes first on ``PYTHONPATH`` (it may have been found through a path
+    tweak rather than an install); output is unbuffered so JSON lines arrive promptly.
+    """
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def uvloop_available() -> bool:

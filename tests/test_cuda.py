@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,10 +16,12 @@ from aiosync.compat.nemo_rl import (
     rebuild_cuda_tensor_from_ipc,
     stream_weights_via_ipc_zmq_impl,
 )
+from aiosync.memory import ipc_handle_to_plain
+from aiosync.runtime import child_env
 from aiosync.transports.zmq import private_ipc_endpoint
 from tests.conftest import requires_cuda
 from tests.models import digest, mixed_weights
-from tests.test_processes import ROOT, next_event, peer
+from tests.test_processes import next_event, peer
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
@@ -28,13 +29,8 @@ only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 CHILD = """
 import json, sys, torch
 from aiosync.compat.nemo_rl import rebuild_cuda_tensor_from_ipc
-f = json.loads(sys.argv[1])
-handle = (torch.Tensor, torch.Size(f["size"]), tuple(f["stride"]), f["offset"],
-          torch.storage.TypedStorage, getattr(torch, f["dtype"]), f["device"],
-          bytes.fromhex(f["handle"]), f["storage_size"], f["storage_offset"], False,
-          bytes.fromhex(f["ref_handle"]), f["ref_offset"],
-          bytes.fromhex(f["event"]) if f["event"] else None, f["event_sync"])
-t = rebuild_cuda_tensor_from_ipc(handle, 0)
+from aiosync.memory import ipc_handle_from_plain
+t = rebuild_cuda_tensor_from_ipc(ipc_handle_from_plain(json.loads(sys.argv[1])), 0)
 assert torch.equal(t, torch.arange(t.numel(), dtype=t.dtype, device=t.device)), "content"
 t[0] = -1.0
 torch.cuda.synchronize()
@@ -45,25 +41,10 @@ print("ok")
 def test_ipc_handle_opens_in_another_process_on_the_same_memory() -> None:
     tensor = torch.arange(4096, dtype=torch.float32, device="cuda:0")
     torch.cuda.synchronize()
-    h = get_handle_from_tensor(tensor)
-    plain = {
-        "size": list(h[1]),
-        "stride": list(h[2]),
-        "offset": h[3],
-        "dtype": str(h[5]).removeprefix("torch."),
-        "device": h[6],
-        "handle": h[7].hex(),
-        "storage_size": h[8],
-        "storage_offset": h[9],
-        "ref_handle": h[11].hex(),
-        "ref_offset": h[12],
-        "event": h[13].hex() if h[13] else "",
-        "event_sync": h[14],
-    }
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = ipc_handle_to_plain(get_handle_from_tensor(tensor))
     out = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(plain)],
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -129,11 +110,10 @@ async def test_compat_streams_cuda_tensors_to_an_engine_process() -> None:
 
 
 def test_demo_on_cuda_verifies_every_version() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = ["demo", "--device", "cuda:0", "--size-mb", "256", "--versions", "3", "--json"]
     out = subprocess.run(
         [sys.executable, "-m", "aiosync.cli", *argv],
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -28,6 +28,7 @@ from aiosync import (
     WeightSender,
 )
 from aiosync.compat.nemo_rl import stream_weights_via_ipc_zmq_impl
+from aiosync.runtime import child_env
 from aiosync.transports.zmq import private_ipc_endpoint
 from aiosync.wire import Abort, decode
 from tests.models import assert_same, mixed_weights, zeros_like
@@ -38,13 +39,12 @@ only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 
 @contextmanager
 def peer(role: str, *argv: str) -> Iterator[subprocess.Popen[str]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.peers", role, *argv],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env=env,
+        env=child_env(),
     )
     try:
         yield proc

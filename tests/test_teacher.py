@@ -13,6 +13,7 @@ import torch
 
 from aiosync import teacher
 from aiosync.errors import AiosyncError
+from aiosync.runtime import child_env
 from aiosync.teacher import (
     SHM_HANDLE_TAG,
     aggregate_per_sample_handles,
@@ -36,12 +37,6 @@ def own_segments() -> set[str]:
 
 def pid_segments(pid: int) -> set[str]:
     return {p.name for p in SHM.glob(f"aiosync-{pid}-*")}
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
 
 
 def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -298,10 +293,11 @@ def test_cuda_alloc_reuse_grow() -> None:
 
 
 CHILD_CUDA = """
-import base64, pickle, sys
+import json, sys
 import torch
+from aiosync.memory import ipc_handle_from_plain
 from aiosync.teacher import open_teacher_ipc_buffer
-handle = pickle.loads(base64.b64decode(sys.argv[1]))
+handle = ipc_handle_from_plain(json.loads(sys.argv[1]))
 buf = open_teacher_ipc_buffer(handle, device_id=0)
 assert buf.is_cuda and buf.shape == (2, 3, 4, 5), (buf.device, buf.shape)
 want = torch.arange(3 * 4 * 5, dtype=torch.float32, device=buf.device).view(3, 4, 5)
@@ -316,8 +312,7 @@ print("child ok")
 @pytest.mark.gpu
 @needs_cuda
 def test_cross_process_cuda_ipc() -> None:
-    import base64
-    import pickle
+    from aiosync.memory import ipc_handle_to_plain
 
     dev = torch.device("cuda", 0)
     storage, handle = ensure(None, None, (2, 3, 4, 5), device=dev)
@@ -325,7 +320,7 @@ def test_cross_process_cuda_ipc() -> None:
     storage[0] = want
     storage[1] = 0.0
     torch.cuda.synchronize()
-    payload = base64.b64encode(pickle.dumps(handle)).decode()
+    payload = json.dumps(ipc_handle_to_plain(handle))
     proc = run_child(CHILD_CUDA, payload)
     assert proc.returncode == 0, proc.stderr
     assert "child ok" in proc.stdout

@@ -40,6 +40,7 @@ import torch
 import zmq
 
 from aiosync.layout import dtype_name
+from aiosync.runtime import child_env
 
 log = logging.getLogger(__name__)
 
@@ -242,14 +243,14 @@ def measure_device_copy(nbytes: int, device: torch.device | str, repeats: int = 
     dst.copy_(src)
     times = []
     for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         dst.copy_(src)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times) / 1e9
+    return float(nbytes / statistics.median(times) / 1e9)
 
 
 # --------------------------------------------------------------------------------------
@@ -309,11 +310,7 @@ class _Engine:
                     f"state_dict is not synthetic_state_dict({total_bytes}, {dtype})-shaped"
                 )
             argv += ["--total-bytes", str(total_bytes), "--dtype", dtype_name(dtype)]
-        # The child must import this package even when the parent found it through sys.path
-        # tweaks rather than an install: put its root first on PYTHONPATH.
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env = child_env()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self._proc = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=self._stderr, stderr=self._stderr
