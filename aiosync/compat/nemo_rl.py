@@ -35,6 +35,7 @@ from aiosync.policy import (
 )
 from aiosync.runtime import run
 from aiosync.sender import SenderConfig, WeightSender
+from aiosync.teacher import aggregate_per_sample_handles, ensure_teacher_ipc_buffer
 from aiosync.transports.zmq import SenderChannel
 
 log = logging.getLogger(__name__)
@@ -128,8 +129,10 @@ __all__ = [
     "AUTOMODEL_FACTORY",
     "IPCProtocol",
     "POLICY_WORKER_OVERRIDES",
+    "aggregate_per_sample_handles",
     "calculate_aligned_size",
     "configure_dynamo_cache",
+    "ensure_teacher_ipc_buffer",
     "get_gpu_info",
     "get_handle_from_tensor",
     "get_megatron_checkpoint_dir",
