@@ -1,4 +1,4 @@
-"""Typed wire messages and their codec (msgpack through msgspec; never pickle).
+"""Typed wire messages and their codec: msgpack through msgspec, never Python objects.
 
 Every message is a tagged :class:`msgspec.Struct`; :func:`decode` turns bytes into exactly one
 of them or raises :class:`~aiosync.errors.ProtocolError`. Message order is checked elsewhere,

@@ -47,9 +47,7 @@ SIGNATURES: dict[str, list[tuple[str, object]]] = {
 def test_reference_function_has_its_signature(name: str) -> None:
     function = getattr(nemo_rl, name)
     params = inspect.signature(function).parameters.values()
-    got = [
-        (p.name, None if p.default is inspect.Parameter.empty else p.default) for p in params
-    ]
+    got = [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in params]
     assert got == SIGNATURES[name]
     assert function.__doc__, f"{name} has no docstring"
     assert name in nemo_rl.__all__

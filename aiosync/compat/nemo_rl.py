@@ -3,7 +3,7 @@
 Each function keeps the reference's name, signature and semantics and runs on aiosync's own
 machinery; the blocking ones drive the async pipeline on a private event loop. The wire is
 aiosync's (typed msgpack messages), so the peer of :func:`stream_weights_via_ipc_zmq_impl`
-is an aiosync :class:`~aiosync.receiver.WeightReceiver`, not a pickle-speaking engine.
+is an aiosync :class:`~aiosync.receiver.WeightReceiver`, not an engine that unpacks objects.
 """
 
 from __future__ import annotations
