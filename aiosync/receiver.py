@@ -232,7 +232,10 @@ class WeightReceiver:
                 await self._on_complete(key, session, envelope, message)
             elif isinstance(message, Abort):
                 session.protocol.abort(message)
-                self._end_stream(key, session, message.version, f"sender aborted: {message.reason}")
+                if self._streaming == key:  # not yet recorded as failed
+                    reason = f"sender aborted: {message.reason}"
+                    self._record_failure(session.peer, message.version, reason)
+                self._end_stream(key)
             elif isinstance(message, Goodbye):
                 session.protocol.goodbye(message)
                 self._drop_session(key, "sender said goodbye")
@@ -323,10 +326,10 @@ class WeightReceiver:
         message: Bucket,
         exc: AiosyncError,
     ) -> None:
-        already_failed = session.protocol.phase is Phase.FAILED
+        if session.protocol.phase is not Phase.FAILED:
+            self._record_failure(session.peer, message.version, str(exc))
         session.protocol.fail()
-        if not already_failed:
-            self._end_stream(key, session, message.version, str(exc))
+        self._end_stream(key)
         await self._reply(
             envelope, Ack(seq=message.seq, ok=False, error=str(exc), tensor=exc.tensor)
         )
@@ -338,8 +341,9 @@ class WeightReceiver:
             session.protocol.check_complete(message)
         except AiosyncError as exc:
             if session.protocol.phase is not Phase.FAILED:
-                session.protocol.fail()
-                self._end_stream(key, session, message.version, str(exc))
+                self._record_failure(session.peer, message.version, str(exc))
+            session.protocol.fail()
+            self._end_stream(key)
             await self._reply(
                 envelope, Ack(seq=message.seq, ok=False, error=str(exc), tensor=exc.tensor)
             )
@@ -356,11 +360,11 @@ class WeightReceiver:
         if self._on_commit is not None:
             await anyio.to_thread.run_sync(self._on_commit, message.version)
 
-    def _end_stream(self, key: bytes, session: _Session, version: int | None, reason: str) -> None:
-        if self._streaming == key or version is not None:
-            self._record_failure(session.peer, version, reason)
-        if self._streaming == key:
-            self._streaming = None
+    def _end_stream(self, key: bytes) -> None:
+        """Forget the stream ``key`` had open (if any) and whatever the sink staged for it."""
+        if self._streaming not in (None, key):
+            return  # another sender's stream is live; this one never reached the sink
+        self._streaming = None
         self.sink.abort()
 
     def _record_failure(self, peer: str, version: int | None, reason: str) -> None:
