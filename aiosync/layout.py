@@ -172,22 +172,14 @@ class BucketPlan:
 def plan_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     capacity: int,
-    *,
-    first_capacity: int | None = None,
 ) -> Iterator[BucketPlan]:
     """Lay out tensors, in order, into buckets that each fit a buffer of ``capacity`` bytes.
 
-    Offsets are aligned to :data:`ALIGNMENT`. A tensor larger than a bucket is split into
-    consecutive byte ranges, each in a bucket of its own. With ``first_capacity`` the first
-    bucket holds at most that much and each later one twice the one before, up to
-    ``capacity``: a small first bucket gets the receiver working early, so a pipeline fills
-    quickly.
+    Offsets are aligned to :data:`ALIGNMENT`. A tensor larger than ``capacity`` is split
+    into consecutive byte ranges, each in a bucket of its own.
     """
     if capacity < ALIGNMENT or capacity % ALIGNMENT:
         raise ValueError(f"buffer capacity must be a positive multiple of {ALIGNMENT}")
-    limit = capacity
-    if first_capacity is not None:
-        limit = min(capacity, max(ALIGNMENT, first_capacity // ALIGNMENT * ALIGNMENT))
     plan = BucketPlan()
     seen: set[str] = set()
     for name, raw in named_tensors:
@@ -199,22 +191,18 @@ def plan_buckets(
         shape = tuple(tensor.shape)
         nbytes = tensor.numel() * tensor.element_size()
         aligned = calculate_aligned_size(nbytes)
-        if plan.items and plan.used + aligned > limit:
+        if plan.items and plan.used + aligned > capacity:
             yield plan
             plan = BucketPlan()
-            limit = min(capacity, limit * 2)
-        if aligned <= limit:
+        if aligned <= capacity:
             plan.items.append(PackItem(tensor, TensorSpec(name, dtype, shape, plan.used, nbytes)))
             plan.used += aligned
             continue
         flat = tensor.resolve_conj().resolve_neg().contiguous()  # one copy at most
-        start = 0
-        while start < nbytes:
-            chunk = min(limit, nbytes - start)
+        for start in range(0, nbytes, capacity):
+            chunk = min(capacity, nbytes - start)
             spec = TensorSpec(name, dtype, shape, 0, chunk, start)
             yield BucketPlan([PackItem(flat, spec)], calculate_aligned_size(chunk))
-            start += chunk
-            limit = min(capacity, limit * 2)
     if plan.items:
         yield plan
 

@@ -58,16 +58,13 @@ class SenderConfig:
     """How a sender buffers and how long it waits.
 
     ``buffer_bytes`` is the size of each of the ``num_buffers`` shared buffers (rounded up to
-    the alignment); ``timeout`` bounds every wait on the receiver, in seconds. The first
-    bucket of a version is ``1 / first_bucket_fraction`` of a buffer and buckets double from
-    there, so the receiver starts applying early.
+    the alignment); ``timeout`` bounds every wait on the receiver, in seconds.
     """
 
     buffer_bytes: int = 128 * MiB
     num_buffers: int = 2
     timeout: float = 60.0
     name: str = ""
-    first_bucket_fraction: int = 1
 
     def __post_init__(self) -> None:
         if self.num_buffers < 1:
@@ -219,8 +216,7 @@ class WeightSender:
         )
         capacity = calculate_aligned_size(self.config.buffer_bytes)
         try:
-            first = capacity // max(1, self.config.first_bucket_fraction)
-            report = await run.run(plan_buckets(named_tensors, capacity, first_capacity=first))
+            report = await run.run(plan_buckets(named_tensors, capacity))
         except BaseException as group:
             exc = unwrap_group(group)
             self._protocol.failed()

@@ -990,3 +990,15 @@ def test_property_pack_then_view_reproduces_tensors(
     assert set(got) == {n for n, _ in tensors}
     for name, want in tensors:
         assert_bit_exact(got[name], want)
+
+
+@pytest.mark.parametrize(("start", "length"), [(0, 4096), (8, 4088), (3, 1001), (2, 6), (4, 12)])
+def test_copy_bytes_is_exact_for_any_alignment(start: int, length: int) -> None:
+    from aiosync.layout import copy_bytes
+
+    src = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+    dst = torch.zeros(8192, dtype=torch.uint8)
+    copy_bytes(dst[start : start + length], src[start : start + length])
+    assert torch.equal(dst[start : start + length], src[start : start + length])
+    assert not dst[:start].any()
+    assert not dst[start + length :].any()
