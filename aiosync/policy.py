@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTOMODEL_FACTORY",
-    "DEFAULT_QUANTIZED_POLICY_WORKER",
     "POLICY_WORKER_OVERRIDES",
     "configure_dynamo_cache",
     "get_gpu_info",
@@ -58,16 +57,24 @@ logger = logging.getLogger(__name__)
 # Policy worker class selection
 # --------------------------------------------------------------------------------------
 
-DEFAULT_QUANTIZED_POLICY_WORKER: str = "aiosync.workers.quantized.QuantizedPolicyWorker"
-"""Dotted name of the quantized worker used when a default worker has no specific entry
-in :data:`POLICY_WORKER_OVERRIDES`. It is only a name: nothing here imports it."""
+_NRL_WORKERS = "nemo_rl.models.policy.workers"
+_NRL_QUANT_WORKERS = "nemo_rl.modelopt.models.policy.workers"
 
-POLICY_WORKER_OVERRIDES: dict[str, str] = {}
+POLICY_WORKER_OVERRIDES: dict[str, str] = {
+    f"{_NRL_WORKERS}.megatron_policy_worker.MegatronPolicyWorker": (
+        f"{_NRL_QUANT_WORKERS}.megatron_quant_policy_worker.MegatronQuantPolicyWorker"
+    ),
+    f"{_NRL_WORKERS}.dtensor_policy_worker.DTensorPolicyWorker": (
+        f"{_NRL_QUANT_WORKERS}.dtensor_quant_policy_worker.DTensorQuantPolicyWorker"
+    ),
+    f"{_NRL_WORKERS}.dtensor_policy_worker_v2.DTensorPolicyWorkerV2": (
+        f"{_NRL_QUANT_WORKERS}.dtensor_quant_policy_worker_v2.DTensorQuantPolicyWorkerV2"
+    ),
+}
 """Registry from a default policy worker's dotted name to its quantized counterpart.
 
-Empty by default; add entries (``POLICY_WORKER_OVERRIDES["pkg.Worker"] = "pkg.QWorker"``)
-to send a particular worker to its own quantized class. Workers without an entry go to
-:data:`DEFAULT_QUANTIZED_POLICY_WORKER` when quantization is requested.
+It starts with NeMo-RL's workers; add entries
+(``POLICY_WORKER_OVERRIDES["pkg.Worker"] = "pkg.QuantWorker"``) for your own.
 """
 
 
@@ -75,16 +82,21 @@ def resolve_policy_worker_cls(default_cls: str, config: Mapping[str, Any]) -> st
     """Return the dotted name of the worker class to launch for ``config``.
 
     When ``config.get("quant_cfg")`` is truthy the quantized worker is returned: the
-    entry for ``default_cls`` in :data:`POLICY_WORKER_OVERRIDES`, or
-    :data:`DEFAULT_QUANTIZED_POLICY_WORKER` if there is none. When ``quant_cfg`` is
-    missing, ``None`` or empty, ``default_cls`` is returned unchanged.
+    entry for ``default_cls`` in :data:`POLICY_WORKER_OVERRIDES`; a worker with no entry
+    raises ``ValueError`` saying how to register one. When ``quant_cfg`` is missing,
+    ``None`` or empty, ``default_cls`` is returned unchanged.
 
     Only names are handled: no worker module and no quantization library (such as
     ModelOpt) is imported, so this is safe to call where those are not installed.
     """
     if not config.get("quant_cfg"):
         return default_cls
-    resolved = POLICY_WORKER_OVERRIDES.get(default_cls, DEFAULT_QUANTIZED_POLICY_WORKER)
+    resolved = POLICY_WORKER_OVERRIDES.get(default_cls)
+    if resolved is None:
+        raise ValueError(
+            f"quant_cfg is set but worker {default_cls!r} has no quantized counterpart; "
+            "register one in aiosync.policy.POLICY_WORKER_OVERRIDES"
+        )
     logger.debug("quant_cfg set: policy worker %s -> %s", default_cls, resolved)
     return resolved
 

@@ -25,10 +25,16 @@ def test_worker_cls_unchanged_without_quant_cfg(config: dict[str, Any]) -> None:
     assert policy.resolve_policy_worker_cls(DEFAULT, config) == DEFAULT
 
 
-def test_worker_cls_default_quantized_when_no_override() -> None:
-    got = policy.resolve_policy_worker_cls(DEFAULT, {"quant_cfg": {"algorithm": "fp8"}})
-    assert got == policy.DEFAULT_QUANTIZED_POLICY_WORKER
-    assert got != DEFAULT
+def test_worker_cls_without_a_registered_counterpart_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"pkg\.workers\.DTensorPolicyWorker.*OVERRIDES"):
+        policy.resolve_policy_worker_cls(DEFAULT, {"quant_cfg": {"algorithm": "fp8"}})
+
+
+def test_nemo_rl_workers_map_to_their_quantized_workers() -> None:
+    megatron = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
+    got = policy.resolve_policy_worker_cls(megatron, {"quant_cfg": {"algorithm": "fp8"}})
+    assert got.startswith("nemo_rl.modelopt.")
+    assert got.endswith("MegatronQuantPolicyWorker")
 
 
 def test_worker_cls_override_registry_extension(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,17 +42,16 @@ def test_worker_cls_override_registry_extension(monkeypatch: pytest.MonkeyPatch)
     cfg = {"quant_cfg": "fp8"}
     assert policy.resolve_policy_worker_cls(DEFAULT, cfg) == "pkg.workers.QDTensorWorker"
     # Other workers are unaffected by the new entry.
-    assert (
+    with pytest.raises(ValueError, match=r"pkg\.workers\.Other"):
         policy.resolve_policy_worker_cls("pkg.workers.Other", cfg)
-        == policy.DEFAULT_QUANTIZED_POLICY_WORKER
-    )
     # Without quant_cfg the override is ignored.
     assert policy.resolve_policy_worker_cls(DEFAULT, {"quant_cfg": None}) == DEFAULT
 
 
 def test_worker_cls_never_imports_quantization_libraries() -> None:
+    megatron = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
     before = set(sys.modules)
-    policy.resolve_policy_worker_cls(DEFAULT, {"quant_cfg": {"algorithm": "fp8"}})
+    policy.resolve_policy_worker_cls(megatron, {"quant_cfg": {"algorithm": "fp8"}})
     policy.resolve_policy_worker_cls(DEFAULT, {"quant_cfg": None})
     new = set(sys.modules) - before
     assert not any(name.split(".")[0] in {"modelopt", "nvidia_modelopt"} for name in new)
