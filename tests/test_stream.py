@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable
 
 import anyio
@@ -248,3 +250,49 @@ async def test_silent_trainer_mid_stream_is_reported_and_version_kept() -> None:
         assert "silent" in failure.reason
         assert receiver.current_version == 0
         assert not receiver.servable
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+async def test_cancelled_send_releases_everything_and_keeps_the_version() -> None:
+    started = anyio.Event()
+
+    def slow(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        anyio.from_thread.run_sync(started.set)
+        time.sleep(0.2)
+
+    fds = open_fds()
+    async with WeightReceiver(CallbackSink(slow), config=ReceiverConfig(stream_timeout=0.5)) as rx:
+        async with (
+            WeightSender(rx.endpoint, config=SMALL) as sender,
+            anyio.create_task_group() as tg,
+        ):
+
+            async def send() -> None:
+                await sender.send(mixed_weights().items(), version=3)
+
+            tg.start_soon(send)
+            with anyio.fail_after(10):
+                await started.wait()
+            tg.cancel_scope.cancel()
+        with anyio.fail_after(10):
+            while not rx.failures:
+                await anyio.sleep(0.05)
+        assert rx.current_version is None
+        assert rx.failures[-1].version == 3
+    await anyio.sleep(0.1)  # let the loop drop closed transports
+    assert open_fds() <= fds  # sockets, shared-memory maps and zmq pipes all closed
+
+
+async def test_many_sessions_leak_no_file_descriptors() -> None:
+    weights = mixed_weights()
+    target = zeros_like(weights)
+    fds = open_fds()
+    async with WeightReceiver(ModuleSink(target)) as receiver:
+        for version in range(5):
+            async with WeightSender(receiver.endpoint, config=SMALL) as sender:
+                await sender.send(weights.items(), version=version)
+    await anyio.sleep(0.1)
+    assert open_fds() <= fds
