@@ -299,6 +299,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     elif show:
         verdict = "bit-exact" if ok else "FAILED"
         print(f"{len(versions)}/{args.versions} versions {verdict} on the engine", file=sys.stderr)
+        print(
+            "(times include the engine checking the previous version; `aiosync bench` "
+            "measures throughput)",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
 
 
