@@ -46,7 +46,7 @@ def _resolve_device(name: str) -> str:
 def _role_trainer(args: argparse.Namespace) -> int:
     import torch
 
-    from aiosync.bench.baselines import synthetic_state_dict
+    from aiosync.bench.model import synthetic_state_dict
     from aiosync.runtime import run
     from aiosync.sender import SenderConfig, WeightSender
 
@@ -120,7 +120,7 @@ def _role_engine(args: argparse.Namespace) -> int:
     import anyio
     import torch
 
-    from aiosync.bench.baselines import synthetic_state_dict
+    from aiosync.bench.model import synthetic_state_dict
     from aiosync.receiver import ReceiverConfig, WeightReceiver
     from aiosync.runtime import run
     from aiosync.sinks import ModuleSink
@@ -308,17 +308,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from aiosync.bench import baselines
+    from aiosync.bench import baselines, floors, model
 
     show = not args.quiet
     nbytes_target = args.size_mb * MiB
     device = _resolve_device(args.device)
-    memcpy = baselines.measure_memcpy(min(nbytes_target, 1 << 30))
+    memcpy = floors.measure_memcpy(min(nbytes_target, 1 << 30))
     if show:
         print(f"memcpy (1 thread): {memcpy:.2f} GB/s", file=sys.stderr)
     gpu_copy = None
     if device.startswith("cuda"):
-        gpu_copy = baselines.measure_device_copy(nbytes_target, device)
+        gpu_copy = floors.measure_device_copy(nbytes_target, device)
         if show:
             print(f"GPU copy on {device}: {gpu_copy:.1f} GB/s", file=sys.stderr)
     args.versions = args.repeats + 1  # the first version warms up buffers and page tables
@@ -346,7 +346,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         out["gpu_copy_GBps"] = gpu_copy
         out["ratio_to_gpu_copy"] = gpu_copy / out["GBps"]
     if not args.skip_baselines:
-        state = baselines.synthetic_state_dict(nbytes_target)
+        state = model.synthetic_state_dict(nbytes_target)
         out["torch_save_zmq"] = baselines.measure_torch_save_zmq(state, repeats=args.repeats)
         out["safetensors_shm"] = baselines.measure_safetensors_shm(state, repeats=args.repeats)
         del state

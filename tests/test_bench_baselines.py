@@ -7,14 +7,9 @@ import pytest
 import torch
 
 from aiosync.bench import baseline_engine, baselines
-from aiosync.bench.baselines import (
-    llama_shapes,
-    measure_memcpy,
-    measure_safetensors_shm,
-    measure_torch_save_zmq,
-    synthetic_state_dict,
-    tensor_digest,
-)
+from aiosync.bench.baselines import measure_safetensors_shm, measure_torch_save_zmq
+from aiosync.bench.floors import measure_memcpy
+from aiosync.bench.model import llama_shapes, synthetic_state_dict, tensor_digest
 
 SIZE = 8 << 20
 SHM_GLOB = "/dev/shm/aiosync-bench-*"

@@ -7,7 +7,7 @@ is given), replies ``ready``, then serves JSON control messages:
 * ``load`` (+ one payload frame of ``torch.save`` bytes): ``torch.load(weights_only=True)``,
   copy by name, reply ``done`` with ``engine_seconds``;
 * ``load_file`` (``path``): ``safetensors.torch.load_file``, copy by name, reply ``done``;
-* ``digest``: reply the :func:`~aiosync.bench.baselines.tensor_digest` of the destination;
+* ``digest``: reply the :func:`~aiosync.bench.model.tensor_digest` of the destination;
 * ``exit``: leave.
 
 Any failure is replied as ``{"type": "error"}`` before exiting non-zero. Every receive has a
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import zmq
 
-from aiosync.bench.baselines import llama_shapes, tensor_digest
+from aiosync.bench.model import llama_shapes, tensor_digest
 from aiosync.layout import dtype_from_name
 
 

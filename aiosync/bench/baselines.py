@@ -8,8 +8,8 @@ one host, measured the same way the aiosync path is measured:
 * :func:`measure_safetensors_shm`: ``safetensors.torch.save_file`` into ``/dev/shm``,
   ``safetensors.torch.load_file`` and the same by-name ``copy_``.
 
-and the floor that nothing can beat on a CPU host: :func:`measure_memcpy`, one single-threaded
-copy of the same number of bytes.
+The floors they are judged against are in :mod:`aiosync.bench.floors`, the model they move
+in :mod:`aiosync.bench.model`.
 
 The engine side runs in a separate process (:mod:`aiosync.bench.baseline_engine`); control
 messages are JSON, never anything else. Both processes use one torch thread, for fairness on
@@ -19,12 +19,9 @@ small (2-core) machines.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import hashlib
 import io
 import json
 import logging
-import math
 import os
 import statistics
 import subprocess
@@ -32,13 +29,15 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import zmq
 
+from aiosync.bench.floors import torch_threads
+from aiosync.bench.model import llama_shapes, tensor_digest, total_nbytes
 from aiosync.layout import dtype_name
 from aiosync.runtime import child_env
 
@@ -48,12 +47,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SHM_DIR",
     "SHM_PREFIX",
-    "llama_shapes",
-    "measure_memcpy",
     "measure_safetensors_shm",
     "measure_torch_save_zmq",
-    "synthetic_state_dict",
-    "tensor_digest",
 ]
 
 #: Per-receive timeout (seconds) of the baseline control loop; generous for 1 GiB on 2 cores.
@@ -61,197 +56,6 @@ DEFAULT_TIMEOUT_S = 300.0
 #: Where the safetensors baseline writes its file, and the file name prefix it uses.
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "aiosync-bench-"
-
-# Largest vocabulary used; smaller models get ``32 * hidden`` so the embedding does not swamp
-# the layers (a 1 GiB fp32 model is TinyLlama-sized: hidden ~1k, 16 layers, vocab 32k).
-_MAX_VOCAB = 32000
-_SIZE_TOLERANCE = 0.03
-
-
-# --------------------------------------------------------------------------------------
-# dtypes
-# --------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------
-# synthetic Llama-shaped model
-# --------------------------------------------------------------------------------------
-
-
-def _llama_config(n_params: int) -> tuple[int, int, int, int, int]:
-    """Pick ``(hidden, kv_dim, intermediate, vocab, layers)`` totalling about ``n_params``.
-
-    Among configurations within 3% of the target, the one whose depth is closest to
-    ``hidden / 64`` (a Llama-like aspect ratio) wins; if none is that close (tiny targets),
-    the closest one does.
-    """
-    best: tuple[float, int, int, int, int, int] | None = None
-    closest: tuple[float, int, int, int, int, int] | None = None
-    for hidden in range(16, 16384 + 1, 16):
-        vocab = min(_MAX_VOCAB, 32 * hidden)
-        kv_dim = hidden // 4
-        inter = (7 * hidden // 2 + 15) // 16 * 16
-        fixed = 2 * vocab * hidden + hidden
-        per_layer = 2 * hidden * hidden + 2 * kv_dim * hidden + 3 * inter * hidden + 2 * hidden
-        layers = min(256, max(1, round((n_params - fixed) / per_layer)))
-        err = abs(fixed + layers * per_layer - n_params) / n_params
-        cand = (err, hidden, kv_dim, inter, vocab, layers)
-        if closest is None or err < closest[0]:
-            closest = cand
-        if err <= _SIZE_TOLERANCE:
-            aspect = abs(math.log2(layers / (hidden / 64)))
-            if best is None or aspect < best[0]:
-                best = (aspect, hidden, kv_dim, inter, vocab, layers)
-    chosen = best if best is not None else closest
-    assert chosen is not None
-    return chosen[1], chosen[2], chosen[3], chosen[4], chosen[5]
-
-
-def llama_shapes(
-    total_bytes: int, dtype: torch.dtype = torch.float32
-) -> list[tuple[str, tuple[int, ...]]]:
-    """Names (Hugging Face Llama naming) and shapes of a synthetic model of ~``total_bytes``.
-
-    The model has an embedding, per layer q/k/v/o projections (grouped-query: k/v are a
-    quarter of the width), gate/up/down MLP projections and two RMSNorm weights, a final norm
-    and an untied ``lm_head``. The size is within ~3% of ``total_bytes`` for anything from a
-    few MiB up (below ~1 MiB the smallest configuration is returned). Pure function of its
-    arguments, so an engine process can allocate the same model without any data.
-    """
-    if total_bytes <= 0:
-        raise ValueError(f"total_bytes must be positive, got {total_bytes}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    hidden, kv_dim, inter, vocab, layers = _llama_config(max(1, total_bytes // itemsize))
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.v_proj.weight", (kv_dim, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-        ]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
-    return shapes
-
-
-def synthetic_state_dict(
-    total_bytes: int,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-) -> dict[str, torch.Tensor]:
-    """Build a Llama-shaped state dict of ~``total_bytes`` (see :func:`llama_shapes`).
-
-    Matrices are ``N(0, 0.02)``, norm weights ``U(0.9, 1.1)``; deterministic for a given
-    ``seed`` and device type (one ``torch.Generator`` on ``device``, filled in name order).
-    """
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in llama_shapes(total_bytes, dtype):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        if len(shape) == 1:
-            t.uniform_(0.9, 1.1, generator=gen)
-        else:
-            t.normal_(0.0, 0.02, generator=gen)
-        out[name] = t
-    return out
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Zero-copy view of a contiguous CPU tensor's bytes (the tensor must outlive it)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("tensor_digest needs contiguous CPU tensors")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """BLAKE2b hex digest over names, dtypes, shapes and raw bytes, in sorted-name order.
-
-    Bit-exact: equal digests mean every tensor has the same name, dtype, shape and bytes.
-    Independent of thread counts (unlike floating-point sums).
-    """
-    h = hashlib.blake2b(digest_size=32)
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        header = json.dumps([name, dtype_name(t.dtype), list(t.shape)])
-        h.update(header.encode())
-        h.update(_tensor_bytes(t))
-    return h.hexdigest()
-
-
-def _total_nbytes(state_dict: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state_dict.values())
-
-
-# --------------------------------------------------------------------------------------
-# physical floor
-# --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def measure_memcpy(nbytes: int, repeats: int = 5) -> float:
-    """Single-threaded ``dst.copy_(src)`` bandwidth over ``nbytes``, in GB/s (1e9 B/s).
-
-    Bytes are counted once (bytes copied, not read + written). Both buffers are touched
-    first, one warm-up copy is done, and the **median** of ``repeats`` timed copies is
-    used. torch runs with one thread for the duration (restored afterwards).
-    """
-    if nbytes <= 0 or repeats <= 0:
-        raise ValueError("nbytes and repeats must be positive")
-    with _torch_threads(1):
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-        src.fill_(1)
-        dst.zero_()
-        dst.copy_(src)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    gbps = nbytes / statistics.median(times) / 1e9
-    log.info("memcpy %d bytes: %.2f GB/s (median of %d)", nbytes, gbps, repeats)
-    return gbps
-
-
-def measure_device_copy(nbytes: int, device: torch.device | str, repeats: int = 5) -> float:
-    """Device-to-device ``copy_`` bandwidth over ``nbytes`` on a GPU, in GB/s (bytes once).
-
-    Timed with CUDA events; median of ``repeats`` after one warm-up copy.
-    """
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return float(nbytes / statistics.median(times) / 1e9)
-
 
 # --------------------------------------------------------------------------------------
 # engine child process
@@ -422,7 +226,7 @@ def _check(state_dict: Mapping[str, torch.Tensor], repeats: int) -> int:
     for name, t in state_dict.items():
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name}: baselines take contiguous CPU tensors")
-    return _total_nbytes(state_dict)
+    return total_nbytes(state_dict)
 
 
 def _verify(engine: _Engine, state_dict: Mapping[str, torch.Tensor]) -> bool:
@@ -468,7 +272,7 @@ def measure_torch_save_zmq(
     totals: list[float] = []
     trainer: list[float] = []
     engine_s: list[float] = []
-    with _torch_threads(1):
+    with torch_threads(1):
         engine = _Engine("torch_save", state_dict, total_bytes, timeout_s)
         try:
             for i in range(repeats):
@@ -516,7 +320,7 @@ def measure_safetensors_shm(
     trainer: list[float] = []
     engine_s: list[float] = []
     path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.safetensors"
-    with _torch_threads(1):
+    with torch_threads(1):
         engine = _Engine("safetensors", state_dict, total_bytes, timeout_s)
         try:
             tensors = dict(state_dict)
