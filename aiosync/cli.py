@@ -167,7 +167,7 @@ def _role_engine(args: argparse.Namespace) -> int:
 @contextmanager
 def _spawn(role: str, argv: list[str]) -> Iterator[subprocess.Popen[str]]:
     """Start ``aiosync <role>`` as a child; it is killed on the way out if still running."""
-    from aiosync.runtime import child_env
+    from aiosync.runtime import child_env, stop_process
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "aiosync.cli", role, *argv],
@@ -180,11 +180,7 @@ def _spawn(role: str, argv: list[str]) -> Iterator[subprocess.Popen[str]]:
     finally:
         if proc.poll() is None:
             proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, grace=10)
         if proc.stdout is not None:
             proc.stdout.close()
 

@@ -301,7 +301,7 @@ class WeightReceiver:
         except AiosyncError as exc:
             if isinstance(exc, ProtocolError) and exc.tensor is None:
                 raise
-            await self._bucket_failed(key, session, envelope, message, exc)
+            await self._refuse(key, session, envelope, message, exc)
             return
         self._streaming = key
         buffer = session.buffers[message.buffer].tensor
@@ -314,18 +314,19 @@ class WeightReceiver:
             names = ", ".join(spec.name for spec in message.specs[:3])
             error = AiosyncError(f"engine failed to apply bucket ({names}): {exc}")
             error.tensor = message.specs[0].name if message.specs else None
-            await self._bucket_failed(key, session, envelope, message, error)
+            await self._refuse(key, session, envelope, message, error)
             return
         await self._reply(envelope, session.protocol.bucket_applied(message))
 
-    async def _bucket_failed(
+    async def _refuse(
         self,
         key: bytes,
         session: _Session,
         envelope: list[bytes],
-        message: Bucket,
+        message: Bucket | Complete,
         exc: AiosyncError,
     ) -> None:
+        """Fail the open stream (recording why, once) and answer ``message`` with the error."""
         if session.protocol.phase is not Phase.FAILED:
             self._record_failure(session.peer, message.version, str(exc))
         session.protocol.fail()
@@ -340,13 +341,7 @@ class WeightReceiver:
         try:
             session.protocol.check_complete(message)
         except AiosyncError as exc:
-            if session.protocol.phase is not Phase.FAILED:
-                self._record_failure(session.peer, message.version, str(exc))
-            session.protocol.fail()
-            self._end_stream(key)
-            await self._reply(
-                envelope, Ack(seq=message.seq, ok=False, error=str(exc), tensor=exc.tensor)
-            )
+            await self._refuse(key, session, envelope, message, exc)
             return
         await anyio.to_thread.run_sync(self.sink.commit, message.version, limiter=self._limiter)
         ack = session.protocol.committed(message)

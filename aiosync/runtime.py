@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +23,19 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def stop_process(proc: subprocess.Popen[Any], grace: float) -> None:
+    """Wait up to ``grace`` seconds for a child to exit, then terminate it, then kill it."""
+    for step in (None, proc.terminate, proc.kill):
+        if step is not None:
+            step()
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
 
 
 def uvloop_available() -> bool:

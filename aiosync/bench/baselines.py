@@ -39,7 +39,7 @@ import zmq
 from aiosync.bench.floors import torch_threads
 from aiosync.bench.model import llama_shapes, tensor_digest, total_nbytes
 from aiosync.layout import dtype_name
-from aiosync.runtime import child_env
+from aiosync.runtime import child_env, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +170,7 @@ class _Engine:
             if proc is not None and proc.poll() is None:
                 with contextlib.suppress(zmq.ZMQError):
                     self.sock.send(json.dumps({"type": "exit"}).encode(), zmq.NOBLOCK)
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=5)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop_process(proc, grace=5)
         finally:
             self.sock.close(linger=0)
             self._ctx.term()
