@@ -251,10 +251,13 @@ def pack_bucket(buffer: torch.Tensor, plan: BucketPlan) -> None:
         if spec.nbytes == 0:
             continue
         source = item.tensor
-        if spec.is_whole and not is_plain(source):
+        if not is_plain(source):  # whole, never chunked: the planner made chunks plain
             dst.view(source.dtype).view(source.shape).copy_(source)
-        else:
-            copy_bytes(dst, tensor_bytes(source)[spec.start : spec.start + spec.nbytes])
+            continue
+        src = tensor_bytes(source)
+        if not spec.is_whole:
+            src = src[spec.start : spec.start + spec.nbytes]
+        copy_bytes(dst, src)
 
 
 def validate_specs(specs: Sequence[TensorSpec], used: int, capacity: int) -> None:
@@ -289,12 +292,21 @@ def validate_specs(specs: Sequence[TensorSpec], used: int, capacity: int) -> Non
         end = spec.offset + spec.nbytes
 
 
+def spec_bytes(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The flat ``uint8`` bytes of one spec in ``buffer`` (zero-copy)."""
+    return buffer[spec.offset : spec.offset + spec.nbytes]
+
+
+def bytes_as_tensor(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """``raw`` (a spec's bytes) with the spec's dtype and shape, or as is for a chunk."""
+    if not spec.is_whole:
+        return raw
+    return raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
+
+
 def view_spec(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A zero-copy view of one spec's bytes in ``buffer``.
 
     Whole tensors come back with their dtype and shape; chunks as flat ``uint8``.
     """
-    raw = buffer[spec.offset : spec.offset + spec.nbytes]
-    if not spec.is_whole:
-        return raw
-    return raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
+    return bytes_as_tensor(spec_bytes(buffer, spec), spec)

@@ -24,7 +24,7 @@ import anyio
 import anyio.abc
 
 from aiosync.errors import AiosyncError, ProtocolError, SyncTimeoutError
-from aiosync.layout import view_spec
+from aiosync.layout import spec_bytes
 from aiosync.memory import SharedBuffer, ShmSegment, open_buffer
 from aiosync.protocol import Phase, ReceiverProtocol
 from aiosync.sinks import WeightSink
@@ -305,7 +305,7 @@ class WeightReceiver:
             return
         self._streaming = key
         buffer = session.buffers[message.buffer].tensor
-        items = [(spec, view_spec(buffer, spec)) for spec in message.specs]
+        items = [(spec, spec_bytes(buffer, spec)) for spec in message.specs]
         if not self.sink.staged:
             self.servable = False
         try:

@@ -1,8 +1,8 @@
 """Where received tensors go: into an ``nn.Module`` by name, or to a ``load_weights`` callback.
 
 A sink is driven by the receiver from one worker thread: :meth:`WeightSink.check` for every
-spec of a bucket before any memory is touched, then :meth:`WeightSink.apply_bucket` with
-zero-copy views of the shared buffer (valid only during the call), then
+spec of a bucket before any memory is touched, then :meth:`WeightSink.apply_bucket` with each
+spec's bytes as a flat ``uint8`` view of the shared buffer (valid only during the call), then
 :meth:`WeightSink.commit` or :meth:`WeightSink.abort` at the end of the version.
 """
 
@@ -14,7 +14,14 @@ from typing import Protocol
 import torch
 
 from aiosync.errors import MismatchError
-from aiosync.layout import TensorSpec, copy_bytes, dtype_from_name, is_plain, tensor_bytes
+from aiosync.layout import (
+    TensorSpec,
+    bytes_as_tensor,
+    copy_bytes,
+    dtype_from_name,
+    is_plain,
+    tensor_bytes,
+)
 
 BucketItems = list[tuple[TensorSpec, torch.Tensor]]
 
@@ -34,7 +41,7 @@ class WeightSink(Protocol):
         """Raise :class:`MismatchError` if ``spec`` does not fit the weights."""
 
     def apply_bucket(self, items: BucketItems) -> None:
-        """Take one bucket's tensors; ``items`` are views into shared memory."""
+        """Take one bucket: each spec with its bytes (flat ``uint8``) in shared memory."""
 
     def commit(self, version: int) -> None:
         """Make everything applied since the last commit visible as ``version``."""
@@ -71,6 +78,7 @@ class ModuleSink:
         self._staged = staged
         self._shadow: dict[str, torch.Tensor] = {}
         self._pending: set[str] = set()
+        self._bytes: dict[str, tuple[int, torch.Tensor | None]] = {}  # name -> (address, bytes)
 
     @property
     def device(self) -> torch.device:
@@ -97,26 +105,39 @@ class ModuleSink:
         if not spec.is_whole and not is_plain(target):
             raise MismatchError("chunked tensor needs a contiguous target", tensor=spec.name)
 
-    def _destination(self, name: str) -> torch.Tensor:
-        target = self.targets[name]
-        if not self._staged:
-            return target.data
-        shadow = self._shadow.get(name)
-        if shadow is None:
-            shadow = self._shadow[name] = torch.empty_like(target.data)
-        self._pending.add(name)
-        return shadow
+    def _destination(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where ``name`` is written, and its flat bytes when it is plain.
+
+        The bytes view is made once per tensor and address, not once per bucket: on a GPU
+        the per-tensor view calls cost more than the copies.
+        """
+        if self._staged:
+            dst = self._shadow.get(name)
+            if dst is None:
+                target = self.targets[name]
+                dst = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                self._shadow[name] = dst
+            self._pending.add(name)
+        else:
+            dst = self.targets[name]
+        address = dst.data_ptr()
+        cached = self._bytes.get(name)
+        if cached is None or cached[0] != address:
+            cached = (address, tensor_bytes(dst.detach()) if is_plain(dst) else None)
+            self._bytes[name] = cached
+        return dst, cached[1]
 
     def apply_bucket(self, items: BucketItems) -> None:
-        """Copy each view into its destination, then wait for the device to finish."""
+        """Copy each spec's bytes into its destination, then wait for the device to finish."""
         with torch.no_grad():
-            for spec, view in items:
-                dst = self._destination(spec.name)
-                if not is_plain(dst):
-                    dst.copy_(view, non_blocking=True)  # whole: chunks need plain targets
-                    continue
-                raw = tensor_bytes(view) if spec.is_whole else view
-                copy_bytes(tensor_bytes(dst)[spec.start : spec.start + spec.nbytes], raw)
+            for spec, raw in items:
+                dst, dst_bytes = self._destination(spec.name)
+                if dst_bytes is None:  # a non-contiguous target: whole tensors only (check)
+                    dst.copy_(bytes_as_tensor(raw, spec), non_blocking=True)
+                elif spec.is_whole:
+                    copy_bytes(dst_bytes, raw)
+                else:
+                    copy_bytes(dst_bytes[spec.start : spec.start + spec.nbytes], raw)
         _sync_if_cuda(self._device)
 
     def commit(self, version: int) -> None:
@@ -183,17 +204,17 @@ class CallbackSink:
     def apply_bucket(self, items: BucketItems) -> None:
         """Pass whole tensors on in one call; keep chunks until their tensor is whole."""
         ready: list[tuple[str, torch.Tensor]] = []
-        for spec, view in items:
+        for spec, raw in items:
             if spec.is_whole:
-                ready.append((spec.name, view))
+                ready.append((spec.name, bytes_as_tensor(raw, spec)))
                 continue
             whole = self._assembling.get(spec.name)
             if whole is None:
                 whole = torch.empty(
-                    spec.shape, dtype=dtype_from_name(spec.dtype), device=view.device
+                    spec.shape, dtype=dtype_from_name(spec.dtype), device=raw.device
                 )
                 self._assembling[spec.name] = whole
-            copy_bytes(tensor_bytes(whole)[spec.start : spec.start + spec.nbytes], view)
+            copy_bytes(tensor_bytes(whole)[spec.start : spec.start + spec.nbytes], raw)
             if spec.is_last_chunk:
                 ready.append((spec.name, self._assembling.pop(spec.name)))
         if ready:

@@ -296,3 +296,18 @@ async def test_many_sessions_leak_no_file_descriptors() -> None:
                 await sender.send(weights.items(), version=version)
     await anyio.sleep(0.1)
     assert open_fds() <= fds
+
+
+async def test_module_sink_follows_a_parameter_whose_storage_was_replaced() -> None:
+    trainer = torch.nn.Linear(32, 32)
+    engine = torch.nn.Linear(32, 32)
+    async with (
+        WeightReceiver(ModuleSink(engine)) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        await sender.send(trainer.state_dict().items(), version=0)
+        engine.weight.data = torch.zeros(32, 32)  # e.g. an engine reloading its weights
+        with torch.no_grad():
+            trainer.weight.add_(1)
+        await sender.send(trainer.state_dict().items(), version=1)
+    assert_same(trainer.state_dict(), engine.state_dict())
