@@ -96,6 +96,7 @@ class StreamRun:
         timeout: float,
         version: int,
         progress: ProgressCallback | None = None,
+        receiver_lost: anyio.Event | None = None,
     ) -> None:
         self.channel = channel
         self.protocol = protocol
@@ -104,6 +105,7 @@ class StreamRun:
         self.timeout = timeout
         self.version = version
         self.progress = progress
+        self._receiver_lost = receiver_lost or anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         window = channel.max_in_flight or len(buffers)
         self._window = anyio.Semaphore(min(window, len(buffers)))
@@ -203,7 +205,26 @@ class StreamRun:
                 self.progress(SyncProgress(self.version, self.buckets, self.tensors, self.bytes))
 
     async def run(self, plans: Iterable[BucketPlan]) -> SyncReport:
-        """Stream every planned bucket, then commit; raises an :class:`AiosyncError` on failure."""
+        """Stream every planned bucket, then commit; raises an :class:`AiosyncError` on failure.
+
+        A dropped connection to the receiver ends the stream at once with
+        :class:`PeerGoneError`, without waiting for an ack timeout.
+        """
+        report: SyncReport | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._fail_if_receiver_lost)
+            report = await self._stream_and_commit(plans)
+            tg.cancel_scope.cancel()
+        assert report is not None
+        return report
+
+    async def _fail_if_receiver_lost(self) -> None:
+        await self._receiver_lost.wait()
+        raise PeerGoneError(
+            "receiver disconnected mid-stream", peer=self.channel.endpoint, version=self.version
+        )
+
+    async def _stream_and_commit(self, plans: Iterable[BucketPlan]) -> SyncReport:
         started = time.perf_counter()
         n = len(self.buffers)
         free_tx, free_rx = anyio.create_memory_object_stream[int](n)

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import anyio
+import anyio.abc
 import torch
+import zmq
 
 from aiosync.errors import AiosyncError, PeerGoneError, ProtocolError, RejectedError
 from aiosync.layout import ALIGNMENT, calculate_aligned_size, plan_buckets
@@ -98,6 +100,8 @@ class WeightSender:
         self._buffers: list[SharedBuffer] = []
         self._protocol: SenderProtocol | None = None
         self._broken: BaseException | None = None
+        self._receiver_lost = anyio.Event()
+        self._watcher: anyio.abc.TaskGroup | None = None
 
     @property
     def peer(self) -> str:
@@ -113,6 +117,7 @@ class WeightSender:
         try:
             await self._open()
         except BaseException:
+            await self._stop_watching()
             self._close()
             raise
         return self
@@ -128,7 +133,24 @@ class WeightSender:
                 with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
                     await self._say_goodbye(self._channel, self._protocol.session or "")
         finally:
+            await self._stop_watching()
             self._close()
+
+    async def _watch_receiver(self, channel: SenderChannel) -> None:
+        """Flag the session lost as soon as the receiver's connection drops."""
+        try:
+            await channel.wait_disconnected()
+        except zmq.ZMQError as exc:  # the monitor itself failed: fall back on timeouts
+            log.warning("cannot watch the connection to %s: %s", self.peer, exc)
+            return
+        log.warning("receiver %s disconnected", self.peer)
+        self._receiver_lost.set()
+
+    async def _stop_watching(self) -> None:
+        if self._watcher is not None:
+            watcher, self._watcher = self._watcher, None
+            watcher.cancel_scope.cancel()
+            await watcher.__aexit__(None, None, None)
 
     @staticmethod
     async def _say_goodbye(channel: SenderChannel, session: str) -> None:
@@ -146,6 +168,9 @@ class WeightSender:
             self._channel = self._target
         else:
             self._channel = SenderChannel.connect(self._target)
+        self._watcher = anyio.create_task_group()
+        await self._watcher.__aenter__()
+        self._watcher.start_soon(self._watch_receiver, self._channel)
         for _ in range(cfg.num_buffers):
             self._buffers.append(create_buffer(size, self.device))
         session = uuid.uuid4().hex
@@ -201,6 +226,8 @@ class WeightSender:
             raise PeerGoneError(
                 f"session unusable after an earlier failure: {self._broken}", peer=self.peer
             )
+        if self._receiver_lost.is_set():
+            raise PeerGoneError("receiver disconnected since the last version", peer=self.peer)
         if version is None:
             remote = self._protocol.remote_version
             version = 0 if remote is None else remote + 1
@@ -213,6 +240,7 @@ class WeightSender:
             timeout=self.config.timeout,
             version=version,
             progress=progress,
+            receiver_lost=self._receiver_lost,
         )
         capacity = calculate_aligned_size(self.config.buffer_bytes)
         try:

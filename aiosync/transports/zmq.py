@@ -14,8 +14,10 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+import anyio
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from aiosync.errors import PeerGoneError
 
@@ -45,6 +47,9 @@ class SenderChannel:
         self.endpoint = endpoint
         self._context = context
         self.max_in_flight: int | None = 1 if socket.type == zmq.REQ else None
+        self._monitor: zmq.asyncio.Socket | None = None
+        if context is not None:  # only watch sockets this channel owns
+            self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     @classmethod
     def connect(cls, endpoint: str) -> SenderChannel:
@@ -78,9 +83,27 @@ class SenderChannel:
         frames = await self.socket.recv_multipart()
         return bytes(frames[-1])
 
+    async def wait_disconnected(self) -> None:
+        """Return once the connection to the receiver drops (never, for a caller's socket).
+
+        The kernel closes the socket of a process that dies, so this fires at once when
+        the receiver is killed, well before any ack timeout.
+        """
+        if self._monitor is None:
+            await anyio.sleep_forever()
+            return
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                return
+
     def close(self) -> None:
         """Close socket and context if this channel created them (pending messages dropped)."""
         if self._context is not None:
+            if self._monitor is not None:
+                self.socket.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self.socket.close(linger=0)
             self._context.term()
             self._context = None
