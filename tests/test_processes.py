@@ -24,6 +24,7 @@ from aiosync import (
     PeerGoneError,
     ReceiverConfig,
     SenderConfig,
+    SyncTimeoutError,
     WeightReceiver,
     WeightSender,
 )
@@ -187,3 +188,42 @@ async def test_compat_stream_over_a_callers_req_socket() -> None:
             req.close(linger=0)
             ctx.term()
         assert receiver.current_version == 1
+
+
+@only_asyncio
+async def test_engine_killed_under_a_callers_socket_raises_within_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller's REQ socket has no connection monitor: the ack timeout bounds the wait."""
+    monkeypatch.setenv("AIOSYNC_TIMEOUT", "2")
+    endpoint, directory = private_ipc_endpoint()
+    try:
+        with peer("engine", "--endpoint", endpoint, "--delay", "0.5") as engine:
+            assert (await next_event(engine))["event"] == "ready"
+            ctx = zmq.Context()
+            req = ctx.socket(zmq.REQ)
+            req.connect(endpoint)
+            try:
+
+                async def kill_on_first_bucket() -> None:
+                    assert (await next_event(engine))["event"] == "applying"
+                    engine.send_signal(signal.SIGKILL)
+
+                with anyio.fail_after(60):  # a hang guard only
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(kill_on_first_bucket)
+                        with pytest.raises(SyncTimeoutError, match="no ack"):
+                            await anyio.to_thread.run_sync(
+                                stream_weights_via_ipc_zmq_impl,
+                                mixed_weights().items(),
+                                128 * 1024,
+                                req,
+                                0,
+                                "policy",
+                            )
+            finally:
+                req.close(linger=0)
+                ctx.term()
+    finally:
+        directory.joinpath("engine.sock").unlink(missing_ok=True)
+        directory.rmdir()
