@@ -41,8 +41,8 @@ class ProtocolError(AiosyncError):
     """A message was malformed, truncated, unknown or arrived out of order."""
 
 
-class MismatchError(AiosyncError):
-    """A tensor's name, dtype, shape or byte range does not fit the receiving model."""
+class MismatchError(AiosyncError, ValueError):
+    """A tensor cannot be sent or does not fit the receiving model (name, dtype, shape, bytes)."""
 
 
 class RejectedError(AiosyncError):

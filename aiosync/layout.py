@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import torch
 
-from aiosync.errors import ProtocolError
+from aiosync.errors import MismatchError, ProtocolError
 
 ALIGNMENT = 512
 """Byte alignment of every tensor inside a buffer (enough for any dtype and for vector loads)."""
@@ -184,10 +184,13 @@ def plan_buckets(
     seen: set[str] = set()
     for name, raw in named_tensors:
         if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice in one sync")
+            raise MismatchError(f"tensor {name!r} appears twice in one sync", tensor=name)
         seen.add(name)
         tensor = materialize(raw)
-        dtype = dtype_name(tensor.dtype)
+        try:
+            dtype = dtype_name(tensor.dtype)
+        except ValueError as exc:
+            raise MismatchError(str(exc), tensor=name) from None
         shape = tuple(tensor.shape)
         nbytes = tensor.numel() * tensor.element_size()
         aligned = calculate_aligned_size(nbytes)

@@ -3,9 +3,11 @@
 A buffer is a flat ``uint8`` tensor plus a plain-data handle (:mod:`aiosync.wire`) that
 another process on this machine turns back into a view of the same memory. No sockets here.
 
-Shared-memory segments live under ``/dev/shm`` as ``aiosync-<pid>-<token>``. Both ends
-unlink a segment as soon as the receiver has mapped it, so a killed process leaks nothing;
-:func:`sweep_stale_segments` removes the few left by processes killed before that point.
+Shared-memory segments live under ``/dev/shm`` as ``aiosync-<pidns>-<pid>-<token>``, where
+``pidns`` identifies the creator's PID namespace. Both ends unlink a segment as soon as the
+receiver has mapped it, so a killed process leaks nothing; :func:`sweep_stale_segments`
+removes the few left by processes of this PID namespace killed before that point (a pid
+from another namespace, say another container sharing ``/dev/shm``, says nothing here).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "aiosync-"
-_SHM_NAME = re.compile(r"^aiosync-(\d+)-[0-9a-f]{16}$")
+_SHM_NAME = re.compile(r"^aiosync-(\d+)-(\d+)-[0-9a-f]{16}$")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class SharedBuffer(Protocol):
@@ -57,9 +66,10 @@ def _pid_alive(pid: int) -> bool:
 def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink segments whose creating process no longer exists; returns their names."""
     removed = []
+    namespace = _pid_namespace()
     for path in shm_dir.glob(SHM_PREFIX + "*"):
         match = _SHM_NAME.match(path.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and int(match.group(1)) == namespace and not _pid_alive(int(match.group(2))):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     if removed:
@@ -89,7 +99,7 @@ class ShmSegment:
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
         sweep_stale_segments()
-        name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        name = f"{SHM_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)

@@ -125,9 +125,9 @@ class StreamRun:
         with anyio.move_on_after(self.timeout) as scope:
             while True:
                 message: Message = decode(await self.channel.recv())
-                if isinstance(message, Abort):
-                    raise RejectedError(
-                        f"receiver aborted: {message.reason}",
+                if isinstance(message, Abort):  # the receiver has ended this session
+                    raise PeerGoneError(
+                        f"receiver ended the session: {message.reason}",
                         peer=self.channel.endpoint,
                         version=self.version,
                     )
@@ -147,7 +147,7 @@ class StreamRun:
         with anyio.move_on_after(self.timeout):
             await self.channel.send(encode(message))
             return
-        raise self._timeout_error("send slot", plan)
+        raise self._timeout_error("room on the socket to send", plan)
 
     async def _pack_stage(
         self,

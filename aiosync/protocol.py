@@ -19,6 +19,13 @@ from aiosync.layout import TensorSpec, validate_specs
 from aiosync.wire import PROTOCOL_VERSION, Abort, Ack, Bucket, Complete, Goodbye, Hello, Ready
 
 
+class SequenceError(ProtocolError):
+    """A message out of the session's order (before hello, after goodbye, a gap in ``seq``).
+
+    After one of these the two sides no longer agree on the session, which must end.
+    """
+
+
 class Phase(enum.Enum):
     """Where one side of a session stands."""
 
@@ -81,14 +88,21 @@ class ReceiverProtocol:
         self.phase = Phase.IDLE
         return Ready(session=msg.session, version=self.current_version)
 
-    def _take_seq(self, seq: int, version: int) -> None:
+    def take_seq(self, seq: int, version: int) -> None:
+        """Accept ``seq`` as the session's next message (:class:`SequenceError` if it is not).
+
+        The check methods call this themselves; call it directly for a message that is
+        refused before it reaches them, so both sides stay in step.
+        """
         if self.phase is Phase.HANDSHAKE:
-            raise self._error("message before hello", version=version)
+            raise SequenceError("message before hello", peer=self.peer, version=version)
         if self.phase is Phase.CLOSED:
-            raise self._error("message after goodbye", version=version)
+            raise SequenceError("message after goodbye", peer=self.peer, version=version)
         if seq != self.next_seq:
-            raise self._error(
-                f"sequence {seq} out of order (expected {self.next_seq})", version=version
+            raise SequenceError(
+                f"sequence {seq} out of order (expected {self.next_seq})",
+                peer=self.peer,
+                version=version,
             )
         self.next_seq += 1
 
@@ -103,7 +117,7 @@ class ReceiverProtocol:
 
     def check_bucket(self, msg: Bucket) -> None:
         """Validate a bucket's place in the stream and its layout; opens a stream if needed."""
-        self._take_seq(msg.seq, msg.version)
+        self.take_seq(msg.seq, msg.version)
         stream = self.stream
         if stream is None or stream.version != msg.version:
             if stream is not None and self.phase is Phase.STREAMING:
@@ -171,13 +185,18 @@ class ReceiverProtocol:
 
     def check_complete(self, msg: Complete) -> None:
         """Validate a commit request against everything applied for its version."""
-        self._take_seq(msg.seq, msg.version)
+        self.take_seq(msg.seq, msg.version)
         progress = self.stream
         if progress is None and msg.buckets == 0 and self.phase is Phase.IDLE:
             self._open_stream(msg.version)  # a version with no tensors at all
             progress = self.stream
         if progress is None or progress.version != msg.version:
             raise self._error("complete for a version that was never streamed", version=msg.version)
+        if self.current_version is not None and msg.version <= self.current_version:
+            raise self._error(
+                f"version {msg.version} is not newer than current {self.current_version}",
+                version=msg.version,
+            )
         if self.phase is Phase.FAILED:
             raise RejectedError("stream failed earlier", peer=self.peer, version=msg.version)
         if progress.partial:

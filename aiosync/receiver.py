@@ -23,10 +23,10 @@ from types import TracebackType
 import anyio
 import anyio.abc
 
-from aiosync.errors import AiosyncError, ProtocolError, SyncTimeoutError
+from aiosync.errors import AiosyncError, MismatchError, ProtocolError, SyncTimeoutError
 from aiosync.layout import spec_bytes
 from aiosync.memory import SharedBuffer, ShmSegment, open_buffer
-from aiosync.protocol import Phase, ReceiverProtocol
+from aiosync.protocol import Phase, ReceiverProtocol, SequenceError
 from aiosync.sinks import WeightSink
 from aiosync.transports.zmq import ReceiverChannel
 from aiosync.wire import (
@@ -38,24 +38,28 @@ from aiosync.wire import (
     Goodbye,
     Hello,
     Message,
+    Ping,
     decode,
     encode,
 )
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL = 1.0  # seconds between checks for silent senders while nothing streams
+IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is nearer
 
 
 @dataclass(frozen=True)
 class ReceiverConfig:
     """Timeouts of a receiver, in seconds.
 
-    ``stream_timeout`` is the longest a sender may stay silent in the middle of a version
-    before the stream is dropped; ``reply_timeout`` bounds sending one reply.
+    ``stream_timeout``: the longest a sender may go without a bucket or commit in the middle
+    of a version before the stream is dropped. ``session_timeout``: the longest a session
+    may go without any message (senders send keepalives while idle) before it is closed and
+    its buffers unmapped. ``reply_timeout`` bounds sending one reply.
     """
 
     stream_timeout: float = 60.0
+    session_timeout: float = 60.0
     reply_timeout: float = 10.0
 
 
@@ -73,7 +77,8 @@ class _Session:
     peer: str
     protocol: ReceiverProtocol
     buffers: list[SharedBuffer] = field(default_factory=list)
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # any message
+    last_progress: float = field(default_factory=time.monotonic)  # a bucket or commit done
 
     def close(self) -> None:
         for buf in self.buffers:
@@ -87,7 +92,8 @@ class WeightReceiver:
     Binds ``endpoint`` (default: ``ipc://`` in a new private directory; read
     :attr:`endpoint` for the address to give senders). Use as ``async with``: the serving
     task lives inside the block and is cancelled, with every socket and buffer released,
-    when it ends.
+    when it ends. While one sender streams, another's buckets are refused with a "busy"
+    error it can retry after.
     """
 
     def __init__(
@@ -112,6 +118,11 @@ class WeightReceiver:
         self._limiter = anyio.CapacityLimiter(1)
         self._committed = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
+
+    @property
+    def sessions(self) -> int:
+        """Sender sessions open now (each holds its buffers mapped)."""
+        return len(self._sessions)
 
     @property
     def endpoint(self) -> str:
@@ -175,27 +186,29 @@ class WeightReceiver:
                 got = await channel.recv()
             if got is not None:
                 await self._handle(*got)
-            self._expire_silent_streams()
+            self._expire_sessions()
+
+    def _deadline(self, key: bytes, session: _Session) -> float:
+        if key == self._streaming:
+            return session.last_progress + self.config.stream_timeout
+        return session.last_seen + self.config.session_timeout
 
     def _poll_interval(self) -> float:
-        if self._streaming is None:
-            return IDLE_POLL
-        session = self._sessions[self._streaming]
-        deadline = session.last_seen + self.config.stream_timeout
-        return max(0.0, min(IDLE_POLL, deadline - time.monotonic()))
+        now = time.monotonic()
+        nearest = min((self._deadline(k, s) for k, s in self._sessions.items()), default=now)
+        return max(0.0, min(IDLE_POLL, nearest - now)) if self._sessions else IDLE_POLL
 
-    def _expire_silent_streams(self) -> None:
-        key = self._streaming
-        if key is None:
-            return
-        session = self._sessions[key]
-        silent = time.monotonic() - session.last_seen
-        if silent >= self.config.stream_timeout:
-            version = session.protocol.stream.version if session.protocol.stream else None
-            self._record_failure(
-                session.peer, version, f"sender silent for {silent:.1f}s in mid-stream"
-            )
-            self._drop_session(key, "silent mid-stream")
+    def _expire_sessions(self) -> None:
+        now = time.monotonic()
+        for key, session in list(self._sessions.items()):
+            if now < self._deadline(key, session):
+                continue
+            if key == self._streaming:
+                stream = session.protocol.stream
+                silent = now - session.last_progress
+                reason = f"sender made no progress for {silent:.1f}s in mid-stream (silent)"
+                self._record_failure(session.peer, stream.version if stream else None, reason)
+            self._drop_session(key, "timed out")
 
     async def _reply(self, envelope: list[bytes], message: Message) -> None:
         assert self._channel is not None
@@ -220,7 +233,10 @@ class WeightReceiver:
             await self._on_hello(envelope, message)
             return
         if session is None:
-            error = ProtocolError(f"{type(message).__name__.lower()} before hello", peer=peer)
+            if isinstance(message, Abort | Ping):  # nothing to abort or keep alive: no reply
+                log.debug("%s from %s without a session ignored", type(message).__name__, peer)
+                return
+            error = SequenceError(f"{type(message).__name__.lower()} before hello", peer=peer)
             await self._protocol_error(envelope, error)
             return
         session.last_seen = time.monotonic()
@@ -237,23 +253,30 @@ class WeightReceiver:
                     self._record_failure(session.peer, message.version, reason)
                 self._end_stream(key)
             elif isinstance(message, Goodbye):
+                stream = session.protocol.stream
+                if self._streaming == key and stream is not None:
+                    reason = "sender said goodbye in mid-stream"
+                    self._record_failure(session.peer, stream.version, reason)
                 session.protocol.goodbye(message)
                 self._drop_session(key, "sender said goodbye")
                 await self._reply(envelope, Ack(seq=GOODBYE_SEQ, ok=True))
+            elif isinstance(message, Ping):
+                pass  # last_seen is updated above
             else:
                 raise ProtocolError(f"unexpected {type(message).__name__}", peer=peer)
         except ProtocolError as exc:
             await self._protocol_error(envelope, exc)
 
     async def _protocol_error(self, envelope: list[bytes], exc: ProtocolError) -> None:
+        """Count the error, end the peer's session (the two sides disagree) and tell it why."""
         self.protocol_errors += 1
         log.warning("protocol error: %s", exc)
         key = envelope[0]
         if key in self._sessions:
             session = self._sessions[key]
-            version = session.protocol.stream.version if session.protocol.stream else None
             if self._streaming == key:
-                self._record_failure(session.peer, version, str(exc))
+                stream = session.protocol.stream
+                self._record_failure(session.peer, stream.version if stream else None, str(exc))
             self._drop_session(key, "protocol error")
         await self._reply(envelope, Abort(reason=str(exc)))
 
@@ -261,7 +284,7 @@ class WeightReceiver:
         key = envelope[0]
         if key in self._sessions:
             self._drop_session(key, "sender reconnected")
-        peer = f"{message.sender}@{key.hex()[:8]}"
+        peer = f"{message.sender}@{key.hex()}"
         protocol = ReceiverProtocol(peer, self.current_version)
         session = _Session(peer, protocol)
         device = self.sink.device
@@ -284,23 +307,41 @@ class WeightReceiver:
         log.info("session from %s with %d buffers", peer, len(session.buffers))
         await self._reply(envelope, ready)
 
+    async def _refuse_if_busy(
+        self, key: bytes, session: _Session, envelope: list[bytes], message: Bucket | Complete
+    ) -> bool:
+        """Answer "busy" when another sender is streaming; the sequence number is used up."""
+        if self._streaming in (None, key):
+            return False
+        session.protocol.take_seq(message.seq, message.version)
+        other = self._sessions[self._streaming].peer
+        error = f"{other} is streaming; try again later"
+        await self._reply(envelope, Ack(seq=message.seq, ok=False, error=error))
+        return True
+
+    def _check_specs(self, session: _Session, message: Bucket) -> None:
+        """Run the protocol's and the sink's checks; any failure becomes an AiosyncError."""
+        session.protocol.check_bucket(message)
+        for spec in message.specs:
+            try:
+                self.sink.check(spec)
+            except AiosyncError:
+                raise
+            except Exception as exc:
+                raise MismatchError(f"engine check failed: {exc}", tensor=spec.name) from exc
+
     async def _on_bucket(
         self, key: bytes, session: _Session, envelope: list[bytes], message: Bucket
     ) -> None:
-        if self._streaming not in (None, key):
-            other = self._sessions[self._streaming].peer
-            await self._reply(
-                envelope,
-                Ack(seq=message.seq, ok=False, error=f"{other} is streaming; try again later"),
-            )
+        if await self._refuse_if_busy(key, session, envelope, message):
             return
         try:
-            session.protocol.check_bucket(message)
-            for spec in message.specs:
-                self.sink.check(spec)
+            self._check_specs(session, message)
+        except SequenceError:
+            raise
         except AiosyncError as exc:
-            if isinstance(exc, ProtocolError) and exc.tensor is None:
-                raise
+            if isinstance(exc, ProtocolError):
+                self.protocol_errors += 1
             await self._refuse(key, session, envelope, message, exc)
             return
         self._streaming = key
@@ -312,10 +353,13 @@ class WeightReceiver:
             await anyio.to_thread.run_sync(self.sink.apply_bucket, items, limiter=self._limiter)
         except Exception as exc:
             names = ", ".join(spec.name for spec in message.specs[:3])
-            error = AiosyncError(f"engine failed to apply bucket ({names}): {exc}")
-            error.tensor = message.specs[0].name if message.specs else None
+            error = AiosyncError(
+                f"engine failed to apply bucket ({names}): {exc}",
+                tensor=message.specs[0].name if message.specs else None,
+            )
             await self._refuse(key, session, envelope, message, error)
             return
+        session.last_progress = time.monotonic()
         await self._reply(envelope, session.protocol.bucket_applied(message))
 
     async def _refuse(
@@ -338,13 +382,24 @@ class WeightReceiver:
     async def _on_complete(
         self, key: bytes, session: _Session, envelope: list[bytes], message: Complete
     ) -> None:
+        if await self._refuse_if_busy(key, session, envelope, message):
+            return
         try:
             session.protocol.check_complete(message)
+        except SequenceError:
+            raise
         except AiosyncError as exc:
             await self._refuse(key, session, envelope, message, exc)
             return
-        await anyio.to_thread.run_sync(self.sink.commit, message.version, limiter=self._limiter)
+        try:
+            await anyio.to_thread.run_sync(self.sink.commit, message.version, limiter=self._limiter)
+        except Exception as exc:
+            self.servable = False  # a commit that broke half-way may have mixed the weights
+            error = AiosyncError(f"engine failed to commit: {exc}", version=message.version)
+            await self._refuse(key, session, envelope, message, error)
+            return
         ack = session.protocol.committed(message)
+        session.last_progress = time.monotonic()
         self.current_version = message.version
         self.servable = True
         self._streaming = None
@@ -353,14 +408,20 @@ class WeightReceiver:
         log.info("committed version %d from %s", message.version, session.peer)
         await self._reply(envelope, ack)
         if self._on_commit is not None:
-            await anyio.to_thread.run_sync(self._on_commit, message.version)
+            try:
+                await anyio.to_thread.run_sync(self._on_commit, message.version)
+            except Exception:
+                log.exception("on_commit hook failed for version %d", message.version)
 
     def _end_stream(self, key: bytes) -> None:
         """Forget the stream ``key`` had open (if any) and whatever the sink staged for it."""
-        if self._streaming not in (None, key):
-            return  # another sender's stream is live; this one never reached the sink
+        if self._streaming != key:
+            return  # nothing of this sender's reached the sink, or another sender's is live
         self._streaming = None
-        self.sink.abort()
+        try:
+            self.sink.abort()
+        except Exception:
+            log.exception("sink failed to abort")
 
     def _record_failure(self, peer: str, version: int | None, reason: str) -> None:
         failure = SyncFailure(peer, version, reason)
@@ -378,8 +439,6 @@ class WeightReceiver:
         session = self._sessions.pop(key, None)
         if session is None:
             return
-        if self._streaming == key:
-            self._streaming = None
-            self.sink.abort()
+        self._end_stream(key)
         session.close()
-        log.debug("session %s closed: %s", session.peer, why)
+        log.info("session %s closed: %s", session.peer, why)

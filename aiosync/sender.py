@@ -44,6 +44,7 @@ from aiosync.wire import (
     Ack,
     Goodbye,
     Hello,
+    Ping,
     Ready,
     decode,
     encode,
@@ -60,12 +61,15 @@ class SenderConfig:
     """How a sender buffers and how long it waits.
 
     ``buffer_bytes`` is the size of each of the ``num_buffers`` shared buffers (rounded up to
-    the alignment); ``timeout`` bounds every wait on the receiver, in seconds.
+    the alignment); ``timeout`` bounds every wait on the receiver, in seconds. Every
+    ``keepalive`` seconds the sender tells the receiver it is alive (keep it well under the
+    receiver's ``session_timeout``); a caller's REQ socket cannot, so its sessions are short.
     """
 
     buffer_bytes: int = 128 * MiB
     num_buffers: int = 2
     timeout: float = 60.0
+    keepalive: float = 10.0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -73,8 +77,8 @@ class SenderConfig:
             raise ValueError("num_buffers must be at least 1")
         if self.buffer_bytes < ALIGNMENT:
             raise ValueError(f"buffer_bytes must be at least {ALIGNMENT}")
-        if self.timeout <= 0:
-            raise ValueError("timeout must be positive")
+        if self.timeout <= 0 or self.keepalive <= 0:
+            raise ValueError("timeout and keepalive must be positive")
 
 
 class WeightSender:
@@ -101,6 +105,7 @@ class WeightSender:
         self._protocol: SenderProtocol | None = None
         self._broken: BaseException | None = None
         self._receiver_lost = anyio.Event()
+        self._packer = make_packer(self.device)
         self._watcher: anyio.abc.TaskGroup | None = None
 
     @property
@@ -140,11 +145,23 @@ class WeightSender:
         """Flag the session lost as soon as the receiver's connection drops."""
         try:
             await channel.wait_disconnected()
-        except zmq.ZMQError as exc:  # the monitor itself failed: fall back on timeouts
+        except Exception as exc:  # the monitor itself failed: timeouts still bound every wait
             log.warning("cannot watch the connection to %s: %s", self.peer, exc)
             return
         log.warning("receiver %s disconnected", self.peer)
         self._receiver_lost.set()
+
+    async def _keep_alive(self, channel: SenderChannel, session: str) -> None:
+        """Tell the receiver, every ``keepalive`` seconds, that this session is alive."""
+        ping = encode(Ping(session=session))
+        while True:
+            await anyio.sleep(self.config.keepalive)
+            with anyio.move_on_after(self.config.timeout):
+                try:
+                    await channel.send(ping)
+                except zmq.ZMQError as exc:
+                    log.warning("keepalive to %s failed: %s", self.peer, exc)
+                    return
 
     async def _stop_watching(self) -> None:
         if self._watcher is not None:
@@ -192,6 +209,8 @@ class WeightSender:
         if not isinstance(reply, Ready):
             raise ProtocolError(f"expected ready, got {type(reply).__name__}", peer=self.peer)
         self._protocol.ready(reply)
+        if self._channel.max_in_flight is None:  # a REQ socket must not send unasked
+            self._watcher.start_soon(self._keep_alive, self._channel, session)
         for buf in self._buffers:  # the receiver has mapped them: no name needs to outlive us
             if isinstance(buf, ShmSegment):
                 buf.unlink()
@@ -227,6 +246,7 @@ class WeightSender:
                 f"session unusable after an earlier failure: {self._broken}", peer=self.peer
             )
         if self._receiver_lost.is_set():
+            self._broken = PeerGoneError("receiver disconnected", peer=self.peer)
             raise PeerGoneError("receiver disconnected since the last version", peer=self.peer)
         if version is None:
             remote = self._protocol.remote_version
@@ -236,7 +256,7 @@ class WeightSender:
             channel=self._channel,
             protocol=self._protocol,
             buffers=[buf.tensor for buf in self._buffers],
-            packer=make_packer(self.device),
+            packer=self._packer,
             timeout=self.config.timeout,
             version=version,
             progress=progress,

@@ -50,9 +50,11 @@ class WeightSink(Protocol):
         """Forget everything applied since the last commit that is not yet visible."""
 
 
-def _sync_if_cuda(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+def _sync_cuda(devices: Iterable[torch.device]) -> None:
+    """Wait for this thread's copies on every CUDA device among ``devices``."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 class ModuleSink:
@@ -75,6 +77,7 @@ class ModuleSink:
             self.targets = dict(module)
         first = next(iter(self.targets.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
+        self._devices = {t.device for t in self.targets.values()}
         self._staged = staged
         self._shadow: dict[str, torch.Tensor] = {}
         self._pending: set[str] = set()
@@ -138,7 +141,7 @@ class ModuleSink:
                     copy_bytes(dst_bytes, raw)
                 else:
                     copy_bytes(dst_bytes[spec.start : spec.start + spec.nbytes], raw)
-        _sync_if_cuda(self._device)
+        _sync_cuda(self._devices)
 
     def commit(self, version: int) -> None:
         """Staged mode: copy every shadow written since the last commit into the model."""
@@ -146,7 +149,7 @@ class ModuleSink:
             for name in self._pending:
                 self.targets[name].data.copy_(self._shadow[name], non_blocking=True)
         self._pending.clear()
-        _sync_if_cuda(self._device)
+        _sync_cuda(self._devices)
 
     def abort(self) -> None:
         """Staged mode: forget written shadows (the model was never touched)."""
@@ -219,7 +222,7 @@ class CallbackSink:
                 ready.append((spec.name, self._assembling.pop(spec.name)))
         if ready:
             self._load(ready)
-        _sync_if_cuda(self._device)
+        _sync_cuda([self._device])
 
     def commit(self, version: int) -> None:
         """Call ``on_commit(version)`` if given."""

@@ -101,7 +101,13 @@ class Goodbye(msgspec.Struct, frozen=True, tag="goodbye"):
     session: str
 
 
-Message = Hello | Ready | Bucket | Complete | Ack | Abort | Goodbye
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Sender -> receiver: the session is alive (sent while idle); never answered."""
+
+    session: str
+
+
+Message = Hello | Ready | Bucket | Complete | Ack | Abort | Goodbye | Ping
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

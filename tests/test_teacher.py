@@ -25,7 +25,7 @@ from aiosync.teacher import (
 REPO = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
 CPU = torch.device("cpu")
-OWN_PREFIX = f"aiosync-{os.getpid()}-"
+OWN_PREFIX = f"aiosync-{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-"
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,7 +36,7 @@ def own_segments() -> set[str]:
 
 
 def pid_segments(pid: int) -> set[str]:
-    return {p.name for p in SHM.glob(f"aiosync-{pid}-*")}
+    return {p.name for p in SHM.glob(f"aiosync-*-{pid}-*")}
 
 
 def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,7 @@ from aiosync.wire import (
     CudaIpcHandle,
     Goodbye,
     Hello,
+    Ping,
     Ready,
     ShmHandle,
     decode,
@@ -80,6 +81,7 @@ SAMPLES: list[Any] = [
     Abort("cancelled", 9),
     Goodbye("session-1"),
     Goodbye("ünïcødé-sëssion"),
+    Ping("session-1"),
 ]
 
 
@@ -111,7 +113,17 @@ def test_decode_accepts_memoryview(msg: Any) -> None:
 
 
 def test_every_message_type_is_sampled() -> None:
-    assert {type(m) for m in SAMPLES} == {Hello, Ready, Bucket, Complete, Ack, Abort, Goodbye}
+    assert {type(m) for m in SAMPLES} == {
+        Hello,
+        Ready,
+        Bucket,
+        Complete,
+        Ack,
+        Abort,
+        Goodbye,
+        Ping,
+        Ping,
+    }
     handles = {type(h) for m in SAMPLES if isinstance(m, Hello) for h in m.buffers}
     assert handles == {ShmHandle, CudaIpcHandle}
 
@@ -469,7 +481,7 @@ def test_arbitrary_bytes_never_raise_anything_else(data: bytes) -> None:
         msg = decode(data)
     except ProtocolError:
         return
-    assert isinstance(msg, Hello | Ready | Bucket | Complete | Ack | Abort | Goodbye)
+    assert isinstance(msg, Hello | Ready | Bucket | Complete | Ack | Abort | Goodbye | Ping)
 
 
 @given(
