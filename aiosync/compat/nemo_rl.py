@@ -88,6 +88,8 @@ def stream_weights_via_ipc_zmq_impl(
     travel through CUDA IPC buffers on their device, CPU tensors through shared memory.
     ``zmq_socket`` is the caller's connected REQ, DEALER or PAIR socket; it stays open.
     Raises an :class:`~aiosync.errors.AiosyncError` naming the tensor if the engine refuses.
+    After a failure a REQ socket may be left waiting for a reply ZMQ will never deliver:
+    close it and connect a new one before the next call (``AIOSYNC_TIMEOUT`` bounds waits).
     """
     if buffer_size_bytes < 2 * ALIGNMENT:
         raise ValueError(f"buffer_size_bytes must be at least {2 * ALIGNMENT}")
