@@ -186,9 +186,7 @@ class StreamRun:
         self, sent: ObjectReceiveStream[_Sent], free: ObjectSendStream[int]
     ) -> None:
         async for item in sent:
-            seq, ack = await self._recv_ack("ack for a bucket", item.plan)
-            if seq != item.seq:
-                raise ProtocolError(f"ack {seq} for bucket {item.seq}", peer=self.channel.endpoint)
+            _, ack = await self._recv_ack("ack for a bucket", item.plan)  # in order: item.seq
             if not ack.ok:
                 raise RejectedError(
                     ack.error or "bucket refused",

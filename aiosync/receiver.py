@@ -90,10 +90,10 @@ class WeightReceiver:
     """Serves weight streams from any number of senders into one sink, one stream at a time.
 
     Binds ``endpoint`` (default: ``ipc://`` in a new private directory; read
-    :attr:`endpoint` for the address to give senders). Use as ``async with``: the serving
-    task lives inside the block and is cancelled, with every socket and buffer released,
-    when it ends. While one sender streams, another's buckets are refused with a "busy"
-    error it can retry after.
+    :attr:`endpoint` for the address to give senders). Use as ``async with``, entered and
+    left in one task: the serving task lives inside the block and is cancelled, with every
+    socket and buffer released, when it ends. While one sender streams, another's buckets
+    are refused with a "busy" error it can retry after.
     """
 
     def __init__(

@@ -22,7 +22,6 @@ from types import TracebackType
 import anyio
 import anyio.abc
 import torch
-import zmq
 
 from aiosync.errors import AiosyncError, PeerGoneError, ProtocolError, RejectedError
 from aiosync.layout import ALIGNMENT, calculate_aligned_size, plan_buckets
@@ -86,8 +85,9 @@ class WeightSender:
 
     ``target`` is an endpoint to connect to (``ipc://`` or ``tcp://``) or a ready
     :class:`SenderChannel`. ``device`` picks the buffers: CPU shared memory, or CUDA IPC
-    memory on that GPU. Use as ``async with``; leaving it releases sockets and buffers even
-    when cancelled.
+    memory on that GPU. Use as ``async with``, entered and left in one task (it runs a
+    small task group for the connection watch and keepalives); leaving it releases sockets
+    and buffers even when cancelled.
     """
 
     def __init__(
@@ -159,7 +159,7 @@ class WeightSender:
             with anyio.move_on_after(self.config.timeout):
                 try:
                     await channel.send(ping)
-                except zmq.ZMQError as exc:
+                except Exception as exc:  # never let a keepalive take the session down
                     log.warning("keepalive to %s failed: %s", self.peer, exc)
                     return
 
