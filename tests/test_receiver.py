@@ -214,12 +214,12 @@ async def test_idle_sender_killed_has_its_session_and_buffers_released() -> None
 
 async def test_keepalives_hold_an_idle_session_open() -> None:
     weights = mixed_weights()
-    config = ReceiverConfig(session_timeout=0.6)
+    config = ReceiverConfig(session_timeout=1.0)
     keepalive = SenderConfig(buffer_bytes=64 * 1024, timeout=10, keepalive=0.1)
     async with WeightReceiver(ModuleSink(zeros_like(weights)), config=config) as receiver:
         async with WeightSender(receiver.endpoint, config=keepalive) as sender:
             await sender.send(weights.items(), version=0)
-            await anyio.sleep(1.5)  # well past session_timeout, with keepalives flowing
+            await anyio.sleep(2.5)  # well past session_timeout, with keepalives flowing
             assert receiver.sessions == 1
             await sender.send(weights.items(), version=1)
         assert receiver.current_version == 1
