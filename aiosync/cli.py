@@ -255,6 +255,8 @@ def run_stream(args: argparse.Namespace, *, verify: bool, show: bool) -> dict[st
                             f"{event['seconds']:.3f}s ({rate:.2f} GB/s)"
                         )
                 trainer_rc = trainer.wait(timeout=args.timeout)
+            if trainer_rc != 0:  # the engine would wait for versions that never come
+                engine.terminate()
             for event in engine_events:
                 if event["event"] == "committed":
                     committed[event["version"]] = event

@@ -45,3 +45,13 @@ def test_bad_arguments_exit_with_usage() -> None:
     out = aiosync("demo", "--size-mb", "lots")
     assert out.returncode == 2
     assert "invalid int value" in out.stderr
+
+
+def test_demo_fails_cleanly_when_the_trainer_cannot_run() -> None:
+    # A buffer below the minimum makes the trainer refuse its configuration at start.
+    out = aiosync("demo", "--device", "cpu", "--size-mb", "8", "--buffer-mb", "0", "--json")
+    assert out.returncode == 1
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["ok"] is False
+    assert summary["versions_verified"] == []
+    assert "buffer_bytes must be at least" in out.stderr
