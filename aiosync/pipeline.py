@@ -176,7 +176,7 @@ class StreamRun:
                 with anyio.move_on_after(self.timeout) as scope:
                     await self._window.acquire()
                 if scope.cancelled_caught:
-                    raise self._timeout_error("send slot", plan)
+                    raise self._timeout_error("ack freeing a send slot", plan)
                 seq = self.protocol.next_seq()
                 bucket = Bucket(seq, self.version, index, plan.used, plan.specs)
                 await self._send(bucket, plan)

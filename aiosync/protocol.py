@@ -106,12 +106,15 @@ class ReceiverProtocol:
             )
         self.next_seq += 1
 
-    def _open_stream(self, version: int) -> None:
+    def _require_newer(self, version: int) -> None:
         if self.current_version is not None and version <= self.current_version:
             raise self._error(
                 f"version {version} is not newer than current {self.current_version}",
                 version=version,
             )
+
+    def _open_stream(self, version: int) -> None:
+        self._require_newer(version)
         self.stream = StreamProgress(version)
         self.phase = Phase.STREAMING
 
@@ -192,11 +195,7 @@ class ReceiverProtocol:
             progress = self.stream
         if progress is None or progress.version != msg.version:
             raise self._error("complete for a version that was never streamed", version=msg.version)
-        if self.current_version is not None and msg.version <= self.current_version:
-            raise self._error(
-                f"version {msg.version} is not newer than current {self.current_version}",
-                version=msg.version,
-            )
+        self._require_newer(msg.version)  # another session may have committed since it opened
         if self.phase is Phase.FAILED:
             raise RejectedError("stream failed earlier", peer=self.peer, version=msg.version)
         if progress.partial:
