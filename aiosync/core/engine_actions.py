@@ -1,0 +1,81 @@
+"""What the engine's session machine asks its IO layer to do (plain data, no behaviour)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from aiosync.core.layout import TensorSpec
+from aiosync.core.wire import Message, PlaneSpec
+
+Peer = Hashable
+"""Whatever the IO layer uses to tell senders apart (a channel's name)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Send ``message`` to ``peer``."""
+
+    peer: Peer
+    message: Message
+
+
+@dataclass(frozen=True)
+class OpenPlane:
+    """Open the data plane ``plane`` for ``peer``; report with ``plane_opened``/``plane_failed``."""
+
+    peer: Peer
+    plane: PlaneSpec
+
+
+@dataclass(frozen=True)
+class ClosePlane:
+    """Release ``peer``'s data plane; its session is over."""
+
+    peer: Peer
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Hand the sink ``specs`` read from ``peer``'s buffer; report with ``applied``."""
+
+    peer: Peer
+    version: int
+    seq: int
+    buffer: int
+    used: int
+    specs: list[TensorSpec]
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Tell the sink to forget what it took of ``version`` (the stream will not commit)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class CommitSink:
+    """Make ``version`` visible in the sink; report with ``commit_done``/``commit_failed``."""
+
+    peer: Peer
+    version: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """``version`` is now current (for hooks and waiters)."""
+
+    version: int
+
+
+Action = Reply | OpenPlane | ClosePlane | Apply | Discard | CommitSink | Committed
+
+
+@dataclass(frozen=True)
+class SyncFailure:
+    """A stream that did not commit: who sent it, which version, and why."""
+
+    peer: str
+    version: int | None
+    reason: str

@@ -1,0 +1,363 @@
+"""The engine's protocol state as a pure machine: messages in, actions out.
+
+:class:`EngineSession` holds everything an engine knows about its senders: their sessions,
+the one stream that may touch the sink at a time, the committed version, whether the weights
+are servable, and every stream that failed. It never touches a socket, a buffer or a thread:
+:meth:`EngineSession.receive` returns actions (reply, open a plane, apply a bucket, commit,
+discard) that the IO layer carries out, reporting back through ``applied``, ``commit_done``
+and friends. The same machine therefore runs under tests with no process at all.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from aiosync.core.engine_actions import (
+    Action,
+    Apply,
+    ClosePlane,
+    CommitSink,
+    Committed,
+    Discard,
+    OpenPlane,
+    Peer,
+    Reply,
+    SyncFailure,
+)
+from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.manifest import Expectations
+from aiosync.core.stream_state import StreamState, check_manifest_form
+from aiosync.core.wire import (
+    GOODBYE_SEQ,
+    PROTOCOL_MAX,
+    PROTOCOL_MIN,
+    Abort,
+    Ack,
+    Begin,
+    Bucket,
+    Commit,
+    Complete,
+    Goodbye,
+    Hello,
+    Message,
+    Ping,
+    Ready,
+)
+
+MAX_BUFFERS = 64
+"""Most buffers one session may name (a bound on what a peer makes the engine map)."""
+
+
+class Phase(enum.Enum):
+    """Where one sender's session stands."""
+
+    OPENING = "opening"
+    IDLE = "idle"
+    STREAMING = "streaming"
+    PREPARED = "prepared"
+    COMMITTING = "committing"
+
+
+@dataclass
+class _Session:
+    name: str
+    session: str
+    sizes: list[int]
+    protocol: int
+    seen: float
+    progress: float
+    phase: Phase = Phase.OPENING
+    stream: StreamState | None = None
+    failed_version: int | None = None
+
+
+class EngineSession:
+    """All of an engine's protocol state; every method returns the actions to carry out.
+
+    ``expectations`` (None: accept any tensor, require none) is what the sink takes;
+    ``staged`` says whether a broken stream leaves the visible weights untouched.
+    """
+
+    def __init__(
+        self,
+        *,
+        expectations: Expectations | None,
+        staged: bool,
+        stream_timeout: float,
+        session_timeout: float,
+    ) -> None:
+        self.expectations = expectations
+        self.staged = staged
+        self.stream_timeout = stream_timeout
+        self.session_timeout = session_timeout
+        self.current_version: int | None = None
+        self.servable = True
+        self.failures: list[SyncFailure] = []
+        self.protocol_errors = 0
+        self.sessions: dict[Peer, _Session] = {}
+        self.owner: Peer | None = None  # the peer whose stream may touch the sink
+
+    # --- messages ---------------------------------------------------------------------
+
+    def receive(self, peer: Peer, message: Message, now: float) -> list[Action]:
+        """Take one decoded message from ``peer``."""
+        if isinstance(message, Hello):
+            return self._on_hello(peer, message, now)
+        session = self.sessions.get(peer)
+        if session is None:
+            if isinstance(message, Abort | Ping):
+                return []  # nothing to abort or keep alive
+            return self._protocol_error(peer, f"{type(message).__name__.lower()} before hello")
+        session.seen = now
+        if session.phase is Phase.OPENING:
+            return self._protocol_error(peer, "message before the session was ready")
+        if isinstance(message, Ping):
+            return []
+        if isinstance(message, Begin):
+            return self._on_begin(peer, session, message, now)
+        if isinstance(message, Bucket):
+            return self._on_bucket(peer, session, message)
+        if isinstance(message, Complete):
+            return self._on_complete(peer, session, message, now)
+        if isinstance(message, Commit):
+            return self._on_commit(peer, session, message)
+        if isinstance(message, Abort):
+            stream = session.stream
+            if stream is None or message.version not in (None, stream.version):
+                return []
+            return self._fail_stream(peer, session, f"sender aborted: {message.reason}")
+        if isinstance(message, Goodbye):
+            if message.session != session.session:
+                return self._protocol_error(
+                    peer, f"goodbye for unknown session {message.session!r}"
+                )
+            reply = Reply(peer, Ack(None, GOODBYE_SEQ, True))
+            return [reply, *self._drop(peer, "sender said goodbye in mid-stream")]
+        return self._protocol_error(peer, f"unexpected {type(message).__name__}")
+
+    def undecodable(self, peer: Peer, error: ProtocolError) -> list[Action]:
+        """A frame from ``peer`` that is not a message: end its session and say why."""
+        return self._protocol_error(peer, error.reason)
+
+    def _on_hello(self, peer: Peer, hello: Hello, now: float) -> list[Action]:
+        actions = self._drop(peer, "sender reconnected") if peer in self.sessions else []
+        low, high = max(PROTOCOL_MIN, hello.protocol_min), min(PROTOCOL_MAX, hello.protocol_max)
+        sizes = hello.plane.sizes
+        problem = None
+        if low > high:
+            problem = (
+                f"protocol versions {hello.protocol_min}-{hello.protocol_max} not supported: "
+                f"this engine speaks {PROTOCOL_MIN}-{PROTOCOL_MAX}"
+            )
+        elif not sizes or len(sizes) > MAX_BUFFERS or min(sizes) <= 0:
+            problem = f"session refused: {len(sizes)} buffers (1-{MAX_BUFFERS} of positive size)"
+        if problem is not None:
+            self.protocol_errors += 1
+            return [*actions, Reply(peer, Abort(problem))]
+        name = f"{hello.sender}@{peer}"
+        self.sessions[peer] = _Session(name, hello.session, sizes, high, now, now)
+        return [*actions, OpenPlane(peer, hello.plane)]
+
+    def plane_opened(self, peer: Peer) -> list[Action]:
+        """The IO layer opened ``peer``'s plane: the session is ready."""
+        session = self.sessions[peer]
+        session.phase = Phase.IDLE
+        return [Reply(peer, Ready(session.session, session.protocol, self.current_version))]
+
+    def plane_failed(self, peer: Peer, reason: str) -> list[Action]:
+        """The plane could not be opened: the session is refused."""
+        self.sessions.pop(peer, None)
+        self.protocol_errors += 1
+        return [Reply(peer, Abort(f"session refused: {reason}")), ClosePlane(peer)]
+
+    def _on_begin(self, peer: Peer, session: _Session, begin: Begin, now: float) -> list[Action]:
+        version = begin.version
+        if session.phase is not Phase.IDLE:
+            open_version = session.stream.version if session.stream else None
+            return self._protocol_error(
+                peer, f"begin of version {version} while version {open_version} is open"
+            )
+        if self.owner is not None and self.owner != peer:
+            other = self.sessions[self.owner].name
+            error = f"{other} is streaming; try again later"
+            return [Reply(peer, Ack(version, 0, False, error=error, busy=True))]
+        try:
+            self._require_newer(version)
+            if begin.manifest is not None:
+                check_manifest_form(begin.manifest)
+                if self.expectations is not None:
+                    self.expectations.check_manifest(begin.manifest)
+        except AiosyncError as exc:
+            self._record(session, version, exc.reason)
+            return [Reply(peer, Ack(version, 0, False, error=exc.reason, tensor=exc.tensor))]
+        session.stream = StreamState(version, begin.manifest, self.expectations)
+        session.phase = Phase.STREAMING
+        session.progress = now
+        self.owner = peer
+        return [Reply(peer, Ack(version, 0, True))]
+
+    def _on_bucket(self, peer: Peer, session: _Session, bucket: Bucket) -> list[Action]:
+        stream = session.stream
+        if stream is None or stream.version != bucket.version:
+            return [Reply(peer, self._no_stream(session, bucket.version, bucket.seq))]
+        if session.phase is not Phase.STREAMING or bucket.seq != stream.next_seq:
+            return self._protocol_error(
+                peer, f"bucket seq {bucket.seq} out of order (expected {stream.next_seq})"
+            )
+        stream.next_seq += 1
+        try:
+            specs = stream.resolve(bucket, session.sizes)
+        except AiosyncError as exc:
+            return self._refuse(peer, session, bucket.seq, exc)
+        if not self.staged:
+            self.servable = False
+        return [Apply(peer, bucket.version, bucket.seq, bucket.buffer, bucket.used, specs)]
+
+    def applied(self, peer: Peer, seq: int, now: float) -> list[Action]:
+        """The sink took bucket ``seq``: acknowledge it."""
+        session = self.sessions.get(peer)
+        if session is None or session.stream is None:
+            return []  # the session ended while the bucket was applied
+        session.stream.buckets += 1
+        session.progress = now
+        return [Reply(peer, Ack(session.stream.version, seq, True))]
+
+    def apply_failed(self, peer: Peer, seq: int, error: AiosyncError) -> list[Action]:
+        """The sink failed on bucket ``seq``: the stream fails and the sender hears why."""
+        session = self.sessions.get(peer)
+        if session is None or session.stream is None:
+            return []
+        return self._refuse(peer, session, seq, error)
+
+    def _on_complete(
+        self, peer: Peer, session: _Session, complete: Complete, now: float
+    ) -> list[Action]:
+        stream = session.stream
+        if stream is None or stream.version != complete.version:
+            return [Reply(peer, self._no_stream(session, complete.version, complete.seq))]
+        if session.phase is not Phase.STREAMING or complete.seq != stream.next_seq:
+            return self._protocol_error(peer, f"complete seq {complete.seq} out of order")
+        stream.next_seq += 1
+        try:
+            self._require_newer(stream.version)  # another sender may have committed since
+            stream.check_whole(complete)
+        except AiosyncError as exc:
+            return self._refuse(peer, session, complete.seq, exc)
+        session.phase = Phase.PREPARED
+        session.progress = now
+        return [Reply(peer, Ack(stream.version, complete.seq, True))]
+
+    def _on_commit(self, peer: Peer, session: _Session, commit: Commit) -> list[Action]:
+        stream = session.stream
+        if stream is None or stream.version != commit.version:
+            return [Reply(peer, self._no_stream(session, commit.version, commit.seq))]
+        if session.phase is not Phase.PREPARED or commit.seq != stream.next_seq:
+            return self._protocol_error(peer, f"commit of version {commit.version} not prepared")
+        stream.next_seq += 1
+        session.phase = Phase.COMMITTING
+        return [CommitSink(peer, commit.version)]
+
+    def commit_done(self, peer: Peer, version: int, now: float) -> list[Action]:
+        """The sink made ``version`` visible: it is current."""
+        self.current_version = version
+        self.servable = True
+        self.owner = None
+        session = self.sessions.get(peer)
+        actions: list[Action] = [Committed(version)]
+        if session is not None and session.stream is not None:
+            seq = session.stream.next_seq - 1
+            session.stream = None
+            session.phase = Phase.IDLE
+            session.progress = now
+            actions.insert(0, Reply(peer, Ack(version, seq, True)))
+        return actions
+
+    def commit_failed(self, peer: Peer, version: int, error: AiosyncError) -> list[Action]:
+        """The sink broke while committing: the weights may be mixed, so not servable."""
+        self.servable = False
+        session = self.sessions.get(peer)
+        if session is None or session.stream is None:
+            self.owner = None
+            return [Discard(version)]
+        return self._refuse(peer, session, session.stream.next_seq - 1, error)
+
+    # --- time -------------------------------------------------------------------------
+
+    def _deadline(self, session: _Session) -> float:
+        if session.stream is not None:
+            return session.progress + self.stream_timeout
+        return session.seen + self.session_timeout
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire` next has work, or None with no sessions."""
+        waiting = [s for s in self.sessions.values() if s.phase is not Phase.COMMITTING]
+        return min((self._deadline(s) for s in waiting), default=None)
+
+    def expire(self, now: float) -> list[Action]:
+        """End sessions silent past their timeout (a stream: ``stream_timeout``)."""
+        actions: list[Action] = []
+        for peer, session in list(self.sessions.items()):
+            if session.phase is Phase.COMMITTING or now < self._deadline(session):
+                continue
+            silent = now - session.progress
+            why = f"sender made no progress for {silent:.1f}s in mid-stream (silent)"
+            actions += self._drop(peer, why if session.stream else "session timed out")
+        return actions
+
+    def close(self) -> list[Action]:
+        """The engine is shutting down: end every session."""
+        actions: list[Action] = []
+        for peer in list(self.sessions):
+            actions += self._drop(peer, "engine closing")
+        return actions
+
+    # --- shared steps -----------------------------------------------------------------
+
+    def _require_newer(self, version: int) -> None:
+        if self.current_version is not None and version <= self.current_version:
+            raise ProtocolError(
+                f"version {version} is not newer than current {self.current_version}"
+            )
+
+    def _no_stream(self, session: _Session, version: int, seq: int) -> Ack:
+        """The answer to a message of a stream that failed or never opened (nothing applied)."""
+        if session.failed_version == version:
+            return Ack(version, seq, False, error="stream already failed")
+        return Ack(version, seq, False, error=f"no open stream for version {version}")
+
+    def _record(self, session: _Session, version: int | None, reason: str) -> None:
+        self.failures.append(SyncFailure(session.name, version, reason))
+
+    def _fail_stream(self, peer: Peer, session: _Session, reason: str) -> list[Action]:
+        stream = session.stream
+        if stream is None:
+            return []
+        self._record(session, stream.version, reason)
+        session.failed_version = stream.version
+        session.stream = None
+        session.phase = Phase.IDLE
+        if self.owner == peer:
+            self.owner = None
+            return [Discard(stream.version)]
+        return []
+
+    def _refuse(self, peer: Peer, session: _Session, seq: int, exc: AiosyncError) -> list[Action]:
+        version = session.stream.version if session.stream else None
+        if isinstance(exc, ProtocolError):
+            self.protocol_errors += 1
+        ack = Ack(version, seq, False, error=exc.reason, tensor=exc.tensor)
+        return [*self._fail_stream(peer, session, exc.reason), Reply(peer, ack)]
+
+    def _drop(self, peer: Peer, reason: str) -> list[Action]:
+        session = self.sessions.pop(peer, None)
+        if session is None:
+            return []
+        return [*self._fail_stream(peer, session, reason), ClosePlane(peer)]
+
+    def _protocol_error(self, peer: Peer, reason: str) -> list[Action]:
+        """The two sides disagree: count it, end the session and tell the peer why."""
+        self.protocol_errors += 1
+        name = self.sessions[peer].name if peer in self.sessions else str(peer)
+        message = str(ProtocolError(reason, peer=name))
+        return [Reply(peer, Abort(message)), *self._drop(peer, message)]

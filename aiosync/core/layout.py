@@ -1,0 +1,315 @@
+"""Pure byte layout: tensor specs, bucket planning, packing into and viewing out of a buffer.
+
+Nothing here does IO. A bucket is a run of tensors (or byte ranges of one tensor, when it is
+larger than a buffer) laid out at :data:`ALIGNMENT`-byte offsets in one flat ``uint8`` buffer.
+Each :class:`TensorSpec` says where a tensor's bytes lie, so a bucket describes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from aiosync.core.errors import MismatchError, ProtocolError
+
+ALIGNMENT = 512
+"""Byte alignment of every tensor inside a buffer (enough for any dtype and for vector loads)."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name, dtype in (
+        ("float64", torch.float64),
+        ("float32", torch.float32),
+        ("float16", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("complex64", torch.complex64),
+        ("complex128", torch.complex128),
+        ("int64", torch.int64),
+        ("int32", torch.int32),
+        ("int16", torch.int16),
+        ("int8", torch.int8),
+        ("uint8", torch.uint8),
+        ("bool", torch.bool),
+        ("float8_e4m3fn", getattr(torch, "float8_e4m3fn", None)),
+        ("float8_e5m2", getattr(torch, "float8_e5m2", None)),
+    )
+    if dtype is not None
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def calculate_aligned_size(size_bytes: int, alignment: int = ALIGNMENT) -> int:
+    """Round ``size_bytes`` up to the next multiple of ``alignment`` (a positive integer)."""
+    if alignment <= 0:
+        raise ValueError(f"alignment must be positive, got {alignment}")
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes must not be negative, got {size_bytes}")
+    return -(-size_bytes // alignment) * alignment
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be streamed") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; :class:`ProtocolError` for a name not on the list."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype {name!r}") from None
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """Where one tensor's bytes (or one byte range of it) lie inside a buffer.
+
+    ``offset`` is the position in the buffer, ``nbytes`` the bytes stored there and
+    ``start`` the position of those bytes inside the whole tensor (0 unless the tensor is
+    split across buckets because it is larger than a buffer).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    start: int = 0
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of the whole tensor this spec belongs to."""
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * dtype_from_name(self.dtype).itemsize
+
+    @property
+    def is_whole(self) -> bool:
+        """True when this spec carries the entire tensor, not one chunk of it."""
+        return self.start == 0 and self.nbytes == self.total_nbytes
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """True when this spec's bytes end the tensor (always true for a whole tensor)."""
+        return self.start + self.nbytes == self.total_nbytes
+
+
+def materialize(tensor: Any) -> torch.Tensor:
+    """Resolve an async collective result (anything with ``.wait()``) to a plain tensor."""
+    wait = getattr(tensor, "wait", None)
+    if callable(wait):
+        tensor = wait()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def iter_named_tensor_buckets(
+    params_generator: Iterable[tuple[str, torch.Tensor]],
+    buffer_size_bytes: int,
+) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs, in order, into buckets of at most ``buffer_size_bytes``.
+
+    A new bucket starts when adding a tensor would go over the limit; a tensor larger than
+    the limit travels alone in its own bucket. Async results (``.wait()``) are resolved before
+    sizing, so every yielded tensor is materialised.
+    """
+    if buffer_size_bytes <= 0:
+        raise ValueError(f"buffer_size_bytes must be positive, got {buffer_size_bytes}")
+    return _iter_buckets(params_generator, buffer_size_bytes)
+
+
+def _iter_buckets(
+    params: Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, raw in params:
+        tensor = materialize(raw)
+        size = tensor.numel() * tensor.element_size()
+        if bucket and used + size > limit:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append((name, tensor))
+        used += size
+    if bucket:
+        yield bucket
+
+
+@dataclass(frozen=True)
+class PackItem:
+    """One tensor (or one byte range of it) planned into a bucket, with its spec."""
+
+    tensor: torch.Tensor
+    spec: TensorSpec
+
+
+@dataclass
+class BucketPlan:
+    """The tensors of one bucket and how many buffer bytes they use."""
+
+    items: list[PackItem] = field(default_factory=list)
+    used: int = 0
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """The specs of this bucket's items, in buffer order."""
+        return [item.spec for item in self.items]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Tensor bytes carried (without alignment padding)."""
+        return sum(item.spec.nbytes for item in self.items)
+
+
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    capacity: int,
+) -> Iterator[BucketPlan]:
+    """Lay out tensors, in order, into buckets that each fit a buffer of ``capacity`` bytes.
+
+    Offsets are aligned to :data:`ALIGNMENT`. A tensor larger than ``capacity`` is split
+    into consecutive byte ranges, each in a bucket of its own.
+    """
+    if capacity < ALIGNMENT or capacity % ALIGNMENT:
+        raise ValueError(f"buffer capacity must be a positive multiple of {ALIGNMENT}")
+    plan = BucketPlan()
+    seen: set[str] = set()
+    for name, raw in named_tensors:
+        if name in seen:
+            raise MismatchError(f"tensor {name!r} appears twice in one sync", tensor=name)
+        seen.add(name)
+        tensor = materialize(raw)
+        try:
+            dtype = dtype_name(tensor.dtype)
+        except ValueError as exc:
+            raise MismatchError(str(exc), tensor=name) from None
+        shape = tuple(tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        aligned = calculate_aligned_size(nbytes)
+        if plan.items and plan.used + aligned > capacity:
+            yield plan
+            plan = BucketPlan()
+        if aligned <= capacity:
+            plan.items.append(PackItem(tensor, TensorSpec(name, dtype, shape, plan.used, nbytes)))
+            plan.used += aligned
+            continue
+        flat = tensor.resolve_conj().resolve_neg().contiguous()  # one copy at most
+        for start in range(0, nbytes, capacity):
+            chunk = min(capacity, nbytes - start)
+            spec = TensorSpec(name, dtype, shape, 0, chunk, start)
+            yield BucketPlan([PackItem(flat, spec)], calculate_aligned_size(chunk))
+    if plan.items:
+        yield plan
+
+
+def is_plain(tensor: torch.Tensor) -> bool:
+    """True when a tensor's memory holds exactly its values in order (bytes can be copied)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor's bytes."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+_WIDE_DTYPES = (torch.int64, torch.int32, torch.int16)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy between two flat ``uint8`` tensors of equal length, as wide integers if possible.
+
+    The widest integer view both allow is used: 8-byte elements copy about 15% faster than
+    single bytes on a CPU.
+    """
+    for dtype in _WIDE_DTYPES:
+        size = dtype.itemsize
+        if (
+            dst.numel() % size == 0
+            and dst.storage_offset() % size == 0 == src.storage_offset() % size
+        ):
+            dst.view(dtype).copy_(src.view(dtype), non_blocking=True)
+            return
+    dst.copy_(src, non_blocking=True)
+
+
+def pack_bucket(buffer: torch.Tensor, plan: BucketPlan) -> None:
+    """Copy each planned tensor into ``buffer`` (flat ``uint8``) at its spec's offset.
+
+    Non-contiguous sources and sources on another device are copied correctly; the copy
+    is one ``copy_`` per item, which runs on the current CUDA stream for GPU buffers.
+    """
+    if plan.used > buffer.numel():
+        raise ValueError(f"bucket needs {plan.used} bytes but the buffer holds {buffer.numel()}")
+    for item in plan.items:
+        spec = item.spec
+        dst = buffer[spec.offset : spec.offset + spec.nbytes]
+        if spec.nbytes == 0:
+            continue
+        source = item.tensor
+        if not is_plain(source):  # whole, never chunked: the planner made chunks plain
+            dst.view(source.dtype).view(source.shape).copy_(source)
+            continue
+        src = tensor_bytes(source)
+        if not spec.is_whole:
+            src = src[spec.start : spec.start + spec.nbytes]
+        copy_bytes(dst, src)
+
+
+def validate_specs(specs: Sequence[TensorSpec], used: int, capacity: int) -> None:
+    """Check that specs describe a well-formed bucket of ``used`` bytes in a buffer.
+
+    Offsets must be aligned, ascending and non-overlapping; byte ranges must lie inside
+    both the buffer and the tensor they belong to. Raises :class:`ProtocolError` naming
+    the first bad tensor.
+    """
+    if not 0 <= used <= capacity:
+        raise ProtocolError(f"bucket claims {used} bytes of a {capacity}-byte buffer")
+    end = 0
+    for spec in specs:
+        try:
+            total = spec.total_nbytes
+        except ProtocolError as exc:
+            raise ProtocolError(exc.reason, tensor=spec.name) from None
+        if any(dim < 0 for dim in spec.shape):
+            raise ProtocolError("negative dimension in shape", tensor=spec.name)
+        if spec.offset % ALIGNMENT or spec.offset < end:
+            raise ProtocolError(f"misaligned or overlapping offset {spec.offset}", tensor=spec.name)
+        if spec.nbytes < 0 or spec.start < 0 or spec.start + spec.nbytes > total:
+            raise ProtocolError(
+                f"byte range {spec.start}+{spec.nbytes} outside a {total}-byte tensor",
+                tensor=spec.name,
+            )
+        if spec.offset + spec.nbytes > used:
+            raise ProtocolError(
+                f"bytes {spec.offset}+{spec.nbytes} run past the bucket's {used} bytes",
+                tensor=spec.name,
+            )
+        end = spec.offset + spec.nbytes
+
+
+def spec_bytes(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The flat ``uint8`` bytes of one spec in ``buffer`` (zero-copy)."""
+    return buffer[spec.offset : spec.offset + spec.nbytes]
+
+
+def bytes_as_tensor(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """``raw`` (a spec's bytes) with the spec's dtype and shape, or as is for a chunk."""
+    if not spec.is_whole:
+        return raw
+    return raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
+
+
+def view_spec(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A zero-copy view of one spec's bytes in ``buffer``.
+
+    Whole tensors come back with their dtype and shape; chunks as flat ``uint8``.
+    """
+    return bytes_as_tensor(spec_bytes(buffer, spec), spec)

@@ -1,0 +1,177 @@
+"""A version as a whole: the manifest a sender announces and what an engine expects.
+
+A manifest lists every tensor of a version (name, dtype, shape and how many chunks it
+travels in) before any byte moves, so an engine can accept or refuse the version once, up
+front. :class:`Expectations` is the engine's side: which tensors it takes, which of them a
+version must cover, and which names are aliases of others (tied weights). Everything here
+is pure: no IO, no event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import ItemsView, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from aiosync.core.errors import MismatchError
+from aiosync.core.layout import ALIGNMENT, calculate_aligned_size, dtype_name
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    """One manifest entry: a tensor's name, dtype, shape and the chunks it travels in."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: int = 1
+
+
+def chunk_count(nbytes: int, capacity: int) -> int:
+    """How many pieces a tensor of ``nbytes`` travels in through buffers of ``capacity``."""
+    if calculate_aligned_size(nbytes) <= capacity:
+        return 1
+    return -(-nbytes // capacity)
+
+
+def describe(name: str, tensor: torch.Tensor, capacity: int) -> TensorMeta:
+    """The manifest entry of one tensor sent through buffers of ``capacity`` bytes."""
+    try:
+        dtype = dtype_name(tensor.dtype)
+    except ValueError as exc:
+        raise MismatchError(str(exc), tensor=name) from None
+    nbytes = tensor.numel() * tensor.element_size()
+    return TensorMeta(name, dtype, tuple(tensor.shape), chunk_count(nbytes, capacity))
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a module's version consists of: its parameters and persistent buffers, by name.
+
+    Tied parameters appear once, under their first name (``named_parameters``' rule).
+    """
+    persistent = set(module.state_dict(keep_vars=True))
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+    for name, buffer in module.named_buffers():
+        if name in persistent:
+            tensors[name] = buffer
+    return tensors
+
+
+def visible_pairs(source: Any) -> list[tuple[str, Any]] | None:
+    """The (name, tensor) pairs of ``source`` when they can be read without consuming it.
+
+    Mappings, their ``.items()`` views, lists and tuples of pairs can be read twice; a
+    generator or any other iterator cannot, and gives None (no manifest is built from it).
+    """
+    if isinstance(source, Mapping):
+        return list(source.items())
+    if isinstance(source, ItemsView):
+        return list(source)
+    if isinstance(source, list | tuple):
+        return list(source)
+    return None
+
+
+def build_manifest(pairs: Iterable[tuple[str, Any]], capacity: int) -> list[TensorMeta] | None:
+    """The manifest of ``pairs``; None when a value is not yet a tensor (an async result)."""
+    if capacity < ALIGNMENT:
+        raise ValueError(f"capacity must be at least {ALIGNMENT}")
+    entries: list[TensorMeta] = []
+    seen: set[str] = set()
+    for name, tensor in pairs:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        if name in seen:
+            raise MismatchError(f"tensor {name!r} appears twice in one version", tensor=name)
+        seen.add(name)
+        entries.append(describe(name, tensor, capacity))
+    return entries
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What an engine takes under one name: dtype, shape, and whether it may come in chunks."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunkable: bool = True
+
+
+@dataclass
+class Expectations:
+    """The tensors an engine accepts, those a version must cover, and tied aliases.
+
+    ``tensors`` maps every accepted name (aliases included) to what it must look like;
+    ``required`` holds the names a version must cover; ``aliases`` maps an alias to the
+    name it shares storage with, so sending either one covers both.
+    """
+
+    tensors: dict[str, Expected]
+    required: frozenset[str]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def canonical(self, name: str) -> str:
+        """The name ``name`` is an alias of, or ``name`` itself."""
+        return self.aliases.get(name, name)
+
+    def check(self, meta: TensorMeta | Any) -> None:
+        """Raise :class:`MismatchError` unless one tensor (a manifest entry or spec) fits."""
+        expected = self.tensors.get(meta.name)
+        if expected is None:
+            raise MismatchError("no such parameter or buffer in the model", tensor=meta.name)
+        if (expected.dtype, expected.shape) != (meta.dtype, tuple(meta.shape)):
+            raise MismatchError(
+                f"sent {meta.dtype}{list(meta.shape)}, model has "
+                f"{expected.dtype}{list(expected.shape)}",
+                tensor=meta.name,
+            )
+
+    def check_chunked(self, name: str) -> None:
+        """Raise :class:`MismatchError` if ``name`` cannot be written in pieces."""
+        expected = self.tensors.get(name)
+        if expected is not None and not expected.chunkable:
+            raise MismatchError("chunked tensor needs a contiguous target", tensor=name)
+
+    def missing(self, covered: Iterable[str]) -> list[str]:
+        """Required names that ``covered`` (names sent) leaves out, aliases counted."""
+        got = {self.canonical(name) for name in covered}
+        return sorted(name for name in self.required if self.canonical(name) not in got)
+
+    def check_manifest(self, manifest: Iterable[TensorMeta]) -> None:
+        """Check a whole version before anything moves: unknown, mismatched, missing names."""
+        names: list[str] = []
+        for meta in manifest:
+            self.check(meta)
+            if meta.chunks > 1:
+                self.check_chunked(meta.name)
+            names.append(meta.name)
+        missing = self.missing(names)
+        if missing:
+            raise missing_error(missing)
+
+
+def missing_error(missing: list[str]) -> MismatchError:
+    """The error for a version that leaves out required tensors (the first few named)."""
+    shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+    return MismatchError(
+        f"version misses {len(missing)} required tensors: {shown}", tensor=missing[0]
+    )
+
+
+def expectations_of(targets: Mapping[str, torch.Tensor], required: Iterable[str]) -> Expectations:
+    """Expectations of a name -> tensor map; names sharing storage become aliases."""
+    tensors: dict[str, Expected] = {}
+    aliases: dict[str, str] = {}
+    first_at: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for name, tensor in targets.items():
+        plain = tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+        tensors[name] = Expected(dtype_name(tensor.dtype), tuple(tensor.shape), plain)
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        key = (tensor.data_ptr(), tensor.device.index or 0, tuple(tensor.shape))
+        owner = first_at.setdefault(key, name)
+        if owner != name:
+            aliases[name] = owner
+    return Expectations(tensors, frozenset(required), aliases)

@@ -1,0 +1,195 @@
+"""Typed wire messages and their codec: msgpack through msgspec, never Python objects.
+
+Every message is a tagged :class:`msgspec.Struct`; :func:`decode` turns bytes into exactly one
+of them or raises :class:`~aiosync.core.errors.ProtocolError`. Order is checked by the session
+machines (:mod:`aiosync.core.engine_session`, :mod:`aiosync.core.trainer_session`).
+
+One version, as seen by one engine::
+
+    Hello(protocol range, data plane)  ->  Ready(protocol, version)     once per session
+    Begin(version, manifest)           ->  Ack(seq 0: accepted | refused)
+    Bucket(version, seq 1..n)          ->  Ack(seq: applied | refused)
+    Complete(version, seq n+1)         ->  Ack(prepared: whole and checked | refused)
+    Commit(version, seq n+2)           ->  Ack(committed)
+
+Sequence numbers count within a version, so every engine of a fleet gets the same bytes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from aiosync.core.errors import ProtocolError
+from aiosync.core.layout import TensorSpec
+from aiosync.core.manifest import TensorMeta
+
+PROTOCOL_MIN = 2
+PROTOCOL_MAX = 2
+"""The range of protocol versions this build speaks (bumped when a message changes shape)."""
+
+
+class ShmHandle(msgspec.Struct, frozen=True, tag="shm"):
+    """A POSIX shared-memory segment of ``size`` bytes, opened by ``name``."""
+
+    name: str
+    size: int
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda"):
+    """A CUDA allocation exported for IPC: the plain-data fields of a torch storage handle."""
+
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    size: int
+
+
+class ShmPlaneSpec(msgspec.Struct, frozen=True, tag="shm"):
+    """A data plane of shared-memory buffers on this host."""
+
+    buffers: list[ShmHandle]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each buffer, in the order buckets name them."""
+        return [handle.size for handle in self.buffers]
+
+
+class CudaIpcPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_ipc"):
+    """A data plane of CUDA buffers exported through CUDA IPC."""
+
+    buffers: list[CudaIpcHandle]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each buffer, in the order buckets name them."""
+        return [handle.size for handle in self.buffers]
+
+
+PlaneSpec = ShmPlaneSpec | CudaIpcPlaneSpec
+"""How an engine reaches the bytes of buckets; new planes add a tagged member here."""
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Sender -> engine: opens a session, states the protocol range and the data plane."""
+
+    protocol_min: int
+    protocol_max: int
+    session: str
+    sender: str
+    plane: PlaneSpec
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """Engine -> sender: the plane is open; ``protocol`` is the version both will speak."""
+
+    session: str
+    protocol: int
+    version: int | None
+
+
+class Begin(msgspec.Struct, frozen=True, tag="begin"):
+    """Sender -> engine: opens the stream of ``version`` (seq 0), with its manifest if known."""
+
+    version: int
+    manifest: list[TensorMeta] | None = None
+
+
+class Slot(msgspec.Struct, frozen=True, array_like=True):
+    """Where manifest entry ``entry``'s bytes (or one range of them) lie in a bucket."""
+
+    entry: int
+    offset: int
+    nbytes: int
+    start: int = 0
+
+
+class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
+    """Sender -> engine: buffer ``buffer`` holds ``used`` bytes of ``version``.
+
+    With a manifest, ``slots`` refer to its entries; without one, ``specs`` name each tensor.
+    """
+
+    version: int
+    seq: int
+    buffer: int
+    used: int
+    slots: list[Slot] = []
+    specs: list[TensorSpec] = []
+
+
+class Complete(msgspec.Struct, frozen=True, tag="complete"):
+    """Sender -> engine: ``version`` went out whole; prepare it (check it, do not commit)."""
+
+    version: int
+    seq: int
+    buckets: int
+    tensors: int
+
+
+class Commit(msgspec.Struct, frozen=True, tag="commit"):
+    """Sender -> engine: every required engine prepared ``version``; make it current."""
+
+    version: int
+    seq: int
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    """Engine -> sender: the outcome of message ``seq`` of ``version``.
+
+    ``error`` is set when ``ok`` is false; ``busy`` marks a refusal that a retry may clear.
+    """
+
+    version: int | None
+    seq: int
+    ok: bool
+    error: str | None = None
+    tensor: str | None = None
+    busy: bool = False
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    """Either way: the stream of ``version`` (or the session, when None) is abandoned."""
+
+    reason: str
+    version: int | None = None
+
+
+GOODBYE_SEQ = -1
+"""Sequence number of the ack that answers a goodbye."""
+
+
+class Goodbye(msgspec.Struct, frozen=True, tag="goodbye"):
+    """Sender -> engine: the session ends; its buffers may be released. Answered by an ack."""
+
+    session: str
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Sender -> engine: the session is alive (sent while idle); never answered."""
+
+    session: str
+
+
+Message = Hello | Ready | Begin | Bucket | Complete | Commit | Ack | Abort | Goodbye | Ping
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """Serialise one message to msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Parse bytes into one message; :class:`ProtocolError` if malformed, truncated or unknown."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from None
