@@ -1,31 +1,42 @@
 """aiosync: stream model weights from RL trainers to rollout engines, as asyncio stages.
 
-The native API is async: :class:`WeightSender` in the trainer, :class:`WeightReceiver` with a
-sink (:class:`ModuleSink`, :class:`CallbackSink`) in the engine. Drop-in names of NeMo-RL's
-``nemo_rl.models.policy.utils`` live in :mod:`aiosync.compat.nemo_rl`.
+The native API is async: :class:`WeightSender` in the trainer (one or many engines),
+:class:`WeightReceiver` with a sink (:class:`ModuleSink`, :class:`CallbackSink`) in each
+engine. Drop-in names of NeMo-RL's ``nemo_rl.models.policy.utils`` live in
+:mod:`aiosync.compat.nemo_rl`.
 """
 
-from aiosync.errors import (
+from aiosync.core.engine_actions import SyncFailure
+from aiosync.core.errors import (
     AiosyncError,
+    BusyError,
+    FleetError,
     MismatchError,
     PeerGoneError,
     ProtocolError,
     RejectedError,
     SyncTimeoutError,
+    UsageError,
 )
-from aiosync.pipeline import SyncProgress, SyncReport
-from aiosync.receiver import ReceiverConfig, SyncFailure, WeightReceiver
-from aiosync.sender import SenderConfig, WeightSender
-from aiosync.sinks import CallbackSink, ModuleSink, WeightSink
+from aiosync.core.manifest import TensorMeta
+from aiosync.core.trainer_session import EngineOutcome, Policy
+from aiosync.engine.receiver import ReceiverConfig, WeightReceiver
+from aiosync.engine.sinks import CallbackSink, ModuleSink, WeightSink
+from aiosync.pipeline.report import SyncProgress, SyncReport
+from aiosync.trainer.sender import SenderConfig, WeightSender
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AiosyncError",
+    "BusyError",
     "CallbackSink",
+    "EngineOutcome",
+    "FleetError",
     "MismatchError",
     "ModuleSink",
     "PeerGoneError",
+    "Policy",
     "ProtocolError",
     "ReceiverConfig",
     "RejectedError",
@@ -34,6 +45,8 @@ __all__ = [
     "SyncProgress",
     "SyncReport",
     "SyncTimeoutError",
+    "TensorMeta",
+    "UsageError",
     "WeightReceiver",
     "WeightSender",
     "WeightSink",

@@ -61,13 +61,29 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool | None =
         return runner.run(main())
 
 
+def require_asyncio(what: str) -> None:
+    """Raise :class:`~aiosync.core.errors.UsageError` unless an asyncio loop runs this task.
+
+    aiosync drives ZMQ through asyncio (uvloop included); anyio's other backend, trio, is
+    not supported, and failing here is clearer than failing deep inside a socket call.
+    """
+    from aiosync.core.errors import UsageError
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise UsageError(
+            f"{what} needs an asyncio event loop (uvloop optional); this one is not asyncio"
+        ) from None
+
+
 def unwrap_group(exc: BaseException) -> BaseException:
     """The error that explains a (nested) exception group, or the group itself.
 
     Stages that fail together (say two timeouts) raise a group; the first aiosync error in
     it is the one to report, since the others are consequences of the same stall.
     """
-    from aiosync.errors import AiosyncError
+    from aiosync.core.errors import AiosyncError
 
     while isinstance(exc, BaseExceptionGroup):
         real = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]

@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from aiosync.bench.model import llama_shapes, tensor_digest
-from aiosync.layout import dtype_from_name
+from aiosync.core.layout import dtype_from_name
 
 
 def _recv(sock: zmq.Socket[bytes], timeout_s: float) -> list[bytes]:

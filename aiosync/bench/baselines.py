@@ -38,7 +38,7 @@ import zmq
 
 from aiosync.bench.floors import torch_threads
 from aiosync.bench.model import llama_shapes, tensor_digest, total_nbytes
-from aiosync.layout import dtype_name
+from aiosync.core.layout import dtype_name
 from aiosync.runtime import child_env, stop_process
 
 log = logging.getLogger(__name__)

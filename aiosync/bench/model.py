@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from aiosync.layout import dtype_name
+from aiosync.core.layout import dtype_name
 
 # Largest vocabulary used; smaller models get ``32 * hidden`` so the embedding does not swamp
 # the layers (a 1 GiB fp32 model is TinyLlama-sized: hidden ~1k, 16 layers, vocab 32k).

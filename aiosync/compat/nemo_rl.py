@@ -4,6 +4,11 @@ Each function keeps the reference's name, signature and semantics and runs on ai
 machinery; the blocking ones drive the async pipeline on a private event loop. The wire is
 aiosync's (typed msgpack messages), so the peer of :func:`stream_weights_via_ipc_zmq_impl`
 is an aiosync :class:`~aiosync.receiver.WeightReceiver`, not an engine that unpacks objects.
+
+Errors keep the builtin types NeMo-RL raises (``ValueError``, ``TypeError``, ``KeyError``,
+``AssertionError``, ``RuntimeError``, ``TimeoutError``) and are all
+:class:`~aiosync.AiosyncError` too: see :mod:`aiosync.compat.errors`. What NeMo-RL prints
+is printed here as well.
 """
 
 from __future__ import annotations
@@ -14,15 +19,17 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import zmq
 
-from aiosync.layout import ALIGNMENT, calculate_aligned_size, iter_named_tensor_buckets, materialize
-from aiosync.memory import get_handle_from_tensor, rebuild_cuda_tensor_from_ipc
-from aiosync.policy import (
+from aiosync import SenderConfig, SyncTimeoutError, WeightSender
+from aiosync.channels.zmq import ZmqChannel
+from aiosync.compat.errors import CompatRuntimeError, CompatTypeError, CompatValueError, translate
+from aiosync.compat.policy import (
     AUTOMODEL_FACTORY,
     POLICY_WORKER_OVERRIDES,
     configure_dynamo_cache,
@@ -33,10 +40,11 @@ from aiosync.policy import (
     resolve_model_class,
     resolve_policy_worker_cls,
 )
-from aiosync.runtime import run
-from aiosync.sender import SenderConfig, WeightSender
-from aiosync.teacher import aggregate_per_sample_handles, ensure_teacher_ipc_buffer
-from aiosync.transports.zmq import SenderChannel
+from aiosync.compat.teacher import aggregate_per_sample_handles, ensure_teacher_ipc_buffer
+from aiosync.core import layout
+from aiosync.core.layout import ALIGNMENT, materialize
+from aiosync.planes import cuda_ipc
+from aiosync.runtime import run, unwrap_group
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +82,77 @@ def _run_blocking(main: Any) -> Any:
     return result[0]
 
 
+@contextmanager
+def _nemo_rl_errors(context: str = "") -> Iterator[None]:
+    """Re-raise errors as the compat class of the builtin type NeMo-RL raises there."""
+    try:
+        yield
+    except zmq.Again as exc:  # a caller's socket with RCVTIMEO/SNDTIMEO set
+        raise SyncTimeoutError(f"{context}: ZMQ timed out waiting on the engine") from exc
+    except zmq.ZMQError as exc:
+        hint = ""
+        if exc.errno == zmq.EFSM:
+            hint = " (a REQ socket left mid-request by an earlier failure: connect a new one)"
+        raise CompatRuntimeError(
+            f"{context}: ZMQ error during weight streaming: {exc} (errno {exc.errno}){hint}"
+        ) from exc
+    except Exception as exc:
+        cause = unwrap_group(exc)
+        compat = translate(cause, context) if isinstance(cause, Exception) else cause
+        if compat is exc:
+            raise
+        raise compat from exc
+
+
+def calculate_aligned_size(size_bytes: int, alignment: int = 512) -> int:
+    """Round ``size_bytes`` up to a multiple of ``alignment`` (default 512 bytes).
+
+    Raises ``ValueError`` (also an ``AiosyncError``) for a negative size or a non-positive
+    alignment.
+    """
+    with _nemo_rl_errors():
+        return layout.calculate_aligned_size(size_bytes, alignment)
+
+
+def iter_named_tensor_buckets(
+    params_generator: Iterable[tuple[str, torch.Tensor]], buffer_size_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs into buckets of at most ``buffer_size_bytes`` each.
+
+    Tensors with a ``wait()`` (async DTensor redistributes) are waited on before sizing, so
+    every yielded tensor is materialized. A tensor larger than the budget gets a bucket of
+    its own. Raises ``ValueError`` for a non-positive budget (at the call) and ``TypeError``
+    for an item that is not a tensor (while iterating); both are also ``AiosyncError``.
+    """
+    with _nemo_rl_errors():
+        buckets = layout.iter_named_tensor_buckets(params_generator, buffer_size_bytes)
+    return _translated(buckets)
+
+
+def _translated(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[Any]:
+    with _nemo_rl_errors():
+        yield from buckets
+
+
+def get_handle_from_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Export a CUDA tensor for CUDA IPC; open it with :func:`rebuild_cuda_tensor_from_ipc`.
+
+    Raises ``ValueError`` (also an ``AiosyncError``) for a tensor that is not on CUDA.
+    """
+    with _nemo_rl_errors():
+        return cuda_ipc.get_handle_from_tensor(tensor)
+
+
+def rebuild_cuda_tensor_from_ipc(cuda_ipc_handle: tuple[Any, ...], device_id: int) -> torch.Tensor:
+    """Open, on local CUDA device ``device_id``, a tensor another process exported.
+
+    CUDA's own failures (a handle from this very process, say) are raised as
+    ``RuntimeError`` (also an ``AiosyncError``).
+    """
+    with _nemo_rl_errors():
+        return cuda_ipc.rebuild_cuda_tensor_from_ipc(cuda_ipc_handle, device_id)
+
+
 def stream_weights_via_ipc_zmq_impl(
     params_generator: Iterable[tuple[str, torch.Tensor]],
     buffer_size_bytes: int,
@@ -86,45 +165,65 @@ def stream_weights_via_ipc_zmq_impl(
     ``buffer_size_bytes`` is the total of both ping-pong buffers: each half holds one
     bucket, and packing the next overlaps the engine applying the current one. CUDA tensors
     travel through CUDA IPC buffers on their device, CPU tensors through shared memory.
-    ``zmq_socket`` is the caller's connected REQ, DEALER or PAIR socket; it stays open.
-    Raises an :class:`~aiosync.errors.AiosyncError` naming the tensor if the engine refuses.
+
+    ``zmq_socket`` is the caller's REQ or DEALER socket, connected to the receiver; it
+    stays open. Those are the socket types that can talk to the receiver's ROUTER socket:
+    a PAIR socket only ever talks to another PAIR, so it is refused with a ``ValueError``.
     After a failure a REQ socket may be left waiting for a reply ZMQ will never deliver:
     close it and connect a new one before the next call (``AIOSYNC_TIMEOUT`` bounds waits).
-    """
-    if buffer_size_bytes < 2 * ALIGNMENT:
-        raise ValueError(f"buffer_size_bytes must be at least {2 * ALIGNMENT}")
-    iterator = iter(params_generator)
-    first = next(iterator, None)
-    if first is None:
-        device = torch.device("cpu")
-        pairs: Iterable[tuple[str, torch.Tensor]] = ()
-    else:
-        first = (first[0], materialize(first[1]))
-        device = first[1].device
-        pairs = itertools.chain([first], iterator)
-    half = max(ALIGNMENT, buffer_size_bytes // 2 // ALIGNMENT * ALIGNMENT)
-    config = SenderConfig(
-        buffer_bytes=half,
-        num_buffers=2,
-        timeout=float(os.environ.get(TIMEOUT_ENV, "120")),
-        name=f"{worker_name}[rank {rank}]",
-    )
 
-    async def main() -> None:
-        channel = SenderChannel.wrap(zmq_socket)
-        async with WeightSender(channel, device=device, config=config) as sender:
-            report = await sender.send(pairs)
-        log.info(
-            "%s rank %d streamed version %d: %d tensors, %.1f MB in %.3fs",
-            worker_name,
-            rank,
-            report.version,
-            report.tensors,
-            report.bytes / 1e6,
-            report.seconds,
+    As in NeMo-RL, rank 0 prints how many groups (buckets) it packed. Errors keep NeMo-RL's
+    types and are all :class:`~aiosync.AiosyncError` too, naming the worker and rank, and
+    the tensor where one is involved: ``TimeoutError`` when the engine does not answer in
+    time, ``RuntimeError`` when it goes away, refuses a bucket or a ZMQ call fails,
+    ``ValueError`` for a bad argument or a tensor the engine's model cannot take, and
+    ``TypeError`` for an item that is not a tensor.
+    """
+    context = f"{worker_name} (rank {rank})"
+    if buffer_size_bytes < 2 * ALIGNMENT:
+        raise CompatValueError(f"buffer_size_bytes must be at least {2 * ALIGNMENT}")
+    if not isinstance(zmq_socket, zmq.Socket):
+        raise CompatTypeError(f"zmq_socket must be a zmq socket, not {type(zmq_socket).__name__}")
+    socket_type = zmq.SocketType(int(zmq_socket.getsockopt(zmq.TYPE)))
+    if socket_type not in (zmq.REQ, zmq.DEALER):
+        raise CompatValueError(
+            f"{context}: zmq_socket must be a REQ or DEALER socket connected to the engine's "
+            f"ROUTER socket; a {socket_type.name} socket cannot talk to it"
+        )
+    with _nemo_rl_errors(context):
+        iterator = iter(params_generator)
+        first = next(iterator, None)
+        if first is None:
+            device = torch.device("cpu")
+            pairs: Iterable[tuple[str, torch.Tensor]] = ()
+        else:
+            first = (first[0], materialize(first[1]))
+            device = first[1].device
+            pairs = itertools.chain([first], iterator)
+        half = max(ALIGNMENT, buffer_size_bytes // 2 // ALIGNMENT * ALIGNMENT)
+        config = SenderConfig(
+            buffer_bytes=half,
+            num_buffers=2,
+            timeout=float(os.environ.get(TIMEOUT_ENV, "120")),
+            name=f"{worker_name}[rank {rank}]",
         )
 
-    _run_blocking(main)
+        async def main() -> Any:
+            channel = ZmqChannel.wrap(zmq_socket)
+            async with WeightSender(channel, device=device, config=config) as sender:
+                return await sender.send(pairs)
+
+        report = _run_blocking(main)
+    log.info(
+        "%s streamed version %d: %d tensors, %.1f MB in %.3fs",
+        context,
+        report.version,
+        report.tensors,
+        report.bytes / 1e6,
+        report.seconds,
+    )
+    if rank == 0:
+        print(f"{worker_name}: Packed {report.buckets} groups of tensors", flush=True)
 
 
 __all__ = [

@@ -52,6 +52,10 @@ class RejectedError(AiosyncError):
     """The peer refused a bucket or a commit; ``reason`` holds the peer's own message."""
 
 
+class BusyError(RejectedError):
+    """The engine is taking another sender's version; the same request may succeed later."""
+
+
 class SyncTimeoutError(AiosyncError, TimeoutError):
     """A step waited longer than its configured timeout (the peer may be gone or stuck)."""
 

@@ -4,8 +4,8 @@ A teacher writes its logits for ``N_mb`` microbatches into one ``[N_mb, B, T, V]
 and hands students a plain-data *handle* from which they open the same memory:
 
 * CUDA storage travels as CUDA IPC: the handle is the tuple of
-  :func:`aiosync.memory.get_handle_from_tensor`, opened with
-  :func:`aiosync.memory.rebuild_cuda_tensor_from_ipc`.
+  :func:`aiosync.planes.cuda_ipc.get_handle_from_tensor`, opened with
+  :func:`aiosync.planes.cuda_ipc.rebuild_cuda_tensor_from_ipc`.
 * CPU storage lives in an aiosync POSIX shared-memory segment (:class:`ShmSegment`); its
   handle is ``("aiosync-teacher-shm", name, size, dtype_name, shape)``, built only of
   ``str``/``int``/tuples, so it survives pickling and a JSON round trip (which turns the
@@ -17,7 +17,7 @@ registry keyed by the storage's data pointer, so callers hold nothing but the te
 handle. A CPU segment's name stays in ``/dev/shm`` until the storage is replaced (the old
 name is unlinked then), :func:`release_teacher_ipc_buffer` is called, or the process exits
 normally; names left by killed processes are swept by
-:func:`aiosync.memory.sweep_stale_segments`.
+:func:`aiosync.planes.shm.sweep_stale_segments`.
 
 :func:`aggregate_per_sample_handles` flattens the per-sample handles that DP x TP x CP
 teacher workers return into one list in global-batch order.
@@ -28,16 +28,23 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from aiosync import layout
-from aiosync.errors import AiosyncError
-from aiosync.layout import dtype_from_name
-from aiosync.memory import ShmSegment, get_handle_from_tensor, rebuild_cuda_tensor_from_ipc
-from aiosync.wire import ShmHandle
+from aiosync import AiosyncError
+from aiosync.compat.errors import (
+    CompatAssertionError,
+    CompatKeyError,
+    CompatTypeError,
+    CompatValueError,
+)
+from aiosync.core import layout
+from aiosync.core.layout import dtype_from_name
+from aiosync.core.wire import ShmHandle
+from aiosync.planes.cuda_ipc import get_handle_from_tensor, rebuild_cuda_tensor_from_ipc
+from aiosync.planes.shm import ShmSegment
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +97,7 @@ def _allocate(
         storage = torch.empty(shape, dtype=dtype, device=device)
         return storage, get_handle_from_tensor(storage)
     if device.type != "cpu":
-        raise ValueError(f"teacher IPC buffers live on cuda or cpu, not {device}")
+        raise CompatValueError(f"teacher IPC buffers live on cuda or cpu, not {device}")
     numel = 1
     for d in shape:
         numel *= d
@@ -172,11 +179,12 @@ def ensure_teacher_ipc_buffer(
     storages are shared through CUDA IPC, CPU storages through POSIX shared memory (see the
     module docstring for the handle format). Open the handle elsewhere with
     :func:`open_teacher_ipc_buffer`; raises ``ValueError`` for a non-positive dimension or a
-    device that is neither ``cuda`` nor ``cpu``.
+    device that is neither ``cuda`` nor ``cpu`` (:class:`~aiosync.compat.errors.CompatValueError`,
+    also an ``AiosyncError``). Allocation failures are torch's own (out of memory, say).
     """
     requested = (int(num_microbatches), int(batch_size), int(seq_len), int(vocab_size))
     if any(d <= 0 for d in requested):
-        raise ValueError(f"teacher buffer dimensions must be positive, got {requested}")
+        raise CompatValueError(f"teacher buffer dimensions must be positive, got {requested}")
     dev = _normalize_device(device)
 
     if storage is not None and storage.dim() == _NDIM:
@@ -268,22 +276,27 @@ def aggregate_per_sample_handles(worker_results: list[dict[str, Any]]) -> list[d
     sample. Promises: samples are concatenated in ``sorted(dp_rank)`` order (rank 0 holds the
     first samples of the global batch), so the result is the same for any teacher DP degree;
     element ``i`` is ``{"teacher_shards": [shard, ...]}`` with global sample ``i``'s shards in
-    the order their replicas appear in ``worker_results``. Raises ``ValueError`` naming the
-    rank when a result lacks its keys, when replicas of one rank hold different numbers of
-    samples, or when ranks have different numbers of replicas.
+    the order their replicas appear in ``worker_results``.
+
+    Errors keep NeMo-RL's types, as classes of :mod:`aiosync.compat.errors` that are also
+    ``AiosyncError``: ``KeyError`` when a result lacks a key, ``TypeError`` when a result is
+    not a mapping or its ``dp_rank`` is not an integer, and ``AssertionError`` (raised even
+    under ``python -O``) naming the rank when replicas of one rank hold different numbers of
+    samples or ranks have different numbers of replicas.
     """
     by_rank: dict[int, list[list[Any]]] = {}
     for index, result in enumerate(worker_results):
-        try:
-            rank = result["dp_rank"]
-            handles = result["per_sample_handles"]
-        except (KeyError, TypeError):
-            raise ValueError(
-                f"worker result {index} lacks 'dp_rank' or 'per_sample_handles'"
-            ) from None
+        if not isinstance(result, Mapping):
+            raise CompatTypeError(
+                f"worker result {index} is a {type(result).__name__}, not a mapping"
+            )
+        for key in ("dp_rank", "per_sample_handles"):
+            if key not in result:
+                raise CompatKeyError(f"worker result {index} lacks {key!r}")
+        rank = result["dp_rank"]
         if not isinstance(rank, int) or isinstance(rank, bool):
-            raise ValueError(f"worker result {index} has non-integer dp_rank {rank!r}")
-        by_rank.setdefault(rank, []).append(list(handles))
+            raise CompatTypeError(f"worker result {index} has non-integer dp_rank {rank!r}")
+        by_rank.setdefault(rank, []).append(list(result["per_sample_handles"]))
 
     aggregated: list[dict[str, Any]] = []
     replicas_per_rank: int | None = None
@@ -291,13 +304,13 @@ def aggregate_per_sample_handles(worker_results: list[dict[str, Any]]) -> list[d
         replicas = by_rank[rank]
         lengths = [len(r) for r in replicas]
         if len(set(lengths)) != 1:
-            raise ValueError(
+            raise CompatAssertionError(
                 f"replicas of dp_rank {rank} return different numbers of samples: {lengths}"
             )
         if replicas_per_rank is None:
             replicas_per_rank = len(replicas)
         elif len(replicas) != replicas_per_rank:
-            raise ValueError(
+            raise CompatAssertionError(
                 f"dp_rank {rank} has {len(replicas)} TP/CP replicas, others have "
                 f"{replicas_per_rank}"
             )

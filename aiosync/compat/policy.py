@@ -4,8 +4,9 @@ These are the process-level odds and ends around a training worker: which worker
 launch, which Hugging Face auto class loads a checkpoint, what the worker's environment
 says about engines, ranks and profiling, and where the initial Megatron checkpoint goes.
 
-Nothing here imports torch, transformers or any quantization library at module import
-time; each function imports what it needs when it is called.
+Nothing here imports transformers or any quantization library at module import time; each
+function imports what it needs when it is called. Errors keep the builtin types NeMo-RL
+raises and are also :class:`~aiosync.AiosyncError` (see :mod:`aiosync.compat.errors`).
 
 Environment variables read by this module:
 
@@ -35,6 +36,8 @@ import re
 from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from aiosync.compat.errors import CompatImportError, CompatValueError
 
 if TYPE_CHECKING:
     import torch
@@ -83,7 +86,8 @@ def resolve_policy_worker_cls(default_cls: str, config: Mapping[str, Any]) -> st
 
     When ``config.get("quant_cfg")`` is truthy the quantized worker is returned: the
     entry for ``default_cls`` in :data:`POLICY_WORKER_OVERRIDES`; a worker with no entry
-    raises ``ValueError`` saying how to register one. When ``quant_cfg`` is missing,
+    raises :class:`~aiosync.compat.errors.CompatValueError` (a ``ValueError`` and an
+    ``AiosyncError``) saying how to register one. When ``quant_cfg`` is missing,
     ``None`` or empty, ``default_cls`` is returned unchanged.
 
     Only names are handled: no worker module and no quantization library (such as
@@ -93,9 +97,9 @@ def resolve_policy_worker_cls(default_cls: str, config: Mapping[str, Any]) -> st
         return default_cls
     resolved = POLICY_WORKER_OVERRIDES.get(default_cls)
     if resolved is None:
-        raise ValueError(
+        raise CompatValueError(
             f"quant_cfg is set but worker {default_cls!r} has no quantized counterpart; "
-            "register one in aiosync.policy.POLICY_WORKER_OVERRIDES"
+            "register one in aiosync.compat.policy.POLICY_WORKER_OVERRIDES"
         )
     logger.debug("quant_cfg set: policy worker %s -> %s", default_cls, resolved)
     return resolved
@@ -137,11 +141,11 @@ _AUTO_CLASS_FALLBACKS: dict[str, str] = {_IMAGE_TEXT_TO_TEXT: "AutoModelForVisio
 
 
 def _import_transformers() -> ModuleType:
-    """Import and return ``transformers``, or raise an :class:`ImportError` naming the extra."""
+    """Import and return ``transformers``, or raise an ``ImportError`` naming the extra."""
     try:
         return importlib.import_module("transformers")
     except ImportError as exc:
-        raise ImportError(
+        raise CompatImportError(
             "transformers is required to resolve Hugging Face model classes but it is not "
             f"installed; install the extra with: {_HF_INSTALL_HINT}"
         ) from exc
@@ -175,7 +179,10 @@ def resolve_model_class(model_name: str) -> Any:
 
     Raises:
         ImportError: ``transformers`` is not installed; the message says to run
-            ``pip install 'aiosync[hf]'``.
+            ``pip install 'aiosync[hf]'``. The class raised,
+            :class:`~aiosync.compat.errors.CompatImportError`, is also an ``AiosyncError``.
+            Errors of ``transformers`` itself while reading the config (an unknown model,
+            say) pass through unchanged, as in NeMo-RL.
 
     """
     transformers = _import_transformers()
@@ -367,12 +374,16 @@ def get_megatron_checkpoint_dir() -> str:
     3. ``~/.cache/huggingface/nemo_rl``
 
     Empty or whitespace-only values count as unset; values are stripped and ``~`` is
-    expanded. The directory is not created.
+    expanded. The directory is not created. Like NeMo-RL, it announces its choice on
+    stdout: ``Using default megatron checkpoint dir: <directory>``.
     """
     explicit = _env("NRL_MEGATRON_CHECKPOINT_DIR")
-    if explicit is not None:
-        return os.path.expanduser(explicit)
     hf_home = _env("HF_HOME")
-    if hf_home is not None:
-        return os.path.join(os.path.expanduser(hf_home), "nemo_rl")
-    return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "nemo_rl")
+    if explicit is not None:
+        directory = os.path.expanduser(explicit)
+    elif hf_home is not None:
+        directory = os.path.join(os.path.expanduser(hf_home), "nemo_rl")
+    else:
+        directory = os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "nemo_rl")
+    print(f"Using default megatron checkpoint dir: {directory}", flush=True)
+    return directory

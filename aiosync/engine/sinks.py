@@ -1,9 +1,10 @@
 """Where received tensors go: into an ``nn.Module`` by name, or to a ``load_weights`` callback.
 
-A sink is driven by the receiver from one worker thread: :meth:`WeightSink.check` for every
-spec of a bucket before any memory is touched, then :meth:`WeightSink.apply_bucket` with each
-spec's bytes as a flat ``uint8`` view of the shared buffer (valid only during the call), then
-:meth:`WeightSink.commit` or :meth:`WeightSink.abort` at the end of the version.
+A sink says once what it takes (:meth:`WeightSink.expectations`), which the engine's session
+checks every version and bucket against before any memory is touched. It is then driven
+from one worker thread: :meth:`WeightSink.apply_bucket` with each spec's bytes as a flat
+``uint8`` view of the data plane (valid only during the call), then :meth:`WeightSink.commit`
+or :meth:`WeightSink.abort` at the end of the version.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from typing import Protocol
 
 import torch
 
-from aiosync.errors import MismatchError
-from aiosync.layout import (
+from aiosync.core.layout import (
     TensorSpec,
     bytes_as_tensor,
     copy_bytes,
     dtype_from_name,
+    dtype_name,
     is_plain,
     tensor_bytes,
 )
+from aiosync.core.manifest import Expectations, Expected, expectations_of, module_tensors
 
 BucketItems = list[tuple[TensorSpec, torch.Tensor]]
 
@@ -37,8 +39,8 @@ class WeightSink(Protocol):
     def staged(self) -> bool:
         """True when nothing visible changes before :meth:`commit` (a broken stream is harmless)."""
 
-    def check(self, spec: TensorSpec) -> None:
-        """Raise :class:`MismatchError` if ``spec`` does not fit the weights."""
+    def expectations(self) -> Expectations | None:
+        """What the sink takes and what a version must cover; None: anything, nothing."""
 
     def apply_bucket(self, items: BucketItems) -> None:
         """Take one bucket: each spec with its bytes (flat ``uint8``) in shared memory."""
@@ -63,18 +65,28 @@ class ModuleSink:
     In-place (default) writes straight into the weights: fastest, but a broken stream leaves
     them mixed, and the receiver then marks the engine not servable. ``staged=True`` writes
     into a shadow copy and copies it over only on commit, so a broken stream changes nothing.
+
+    A version must cover ``required`` (default: every parameter and persistent buffer of a
+    module, every entry of a map); a tied parameter is covered by either of its names.
     """
 
     def __init__(
-        self, module: torch.nn.Module | Mapping[str, torch.Tensor], *, staged: bool = False
+        self,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        staged: bool = False,
+        required: Iterable[str] | None = None,
     ) -> None:
         if isinstance(module, torch.nn.Module):
             self.targets: dict[str, torch.Tensor] = {
-                **dict(module.named_parameters()),
-                **dict(module.named_buffers()),
+                **dict(module.named_parameters(remove_duplicate=False)),
+                **dict(module.named_buffers(remove_duplicate=False)),
             }
+            default_required: Iterable[str] = module_tensors(module)
         else:
             self.targets = dict(module)
+            default_required = self.targets
+        self._required = frozenset(default_required if required is None else required)
         first = next(iter(self.targets.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._devices = {t.device for t in self.targets.values()}
@@ -93,20 +105,9 @@ class ModuleSink:
         """Whether writes wait for commit."""
         return self._staged
 
-    def check(self, spec: TensorSpec) -> None:
-        """Name known, dtype and shape equal; chunks only into contiguous tensors."""
-        target = self.targets.get(spec.name)
-        if target is None:
-            raise MismatchError("no such parameter or buffer in the model", tensor=spec.name)
-        dtype = dtype_from_name(spec.dtype)
-        if target.dtype != dtype or tuple(target.shape) != spec.shape:
-            raise MismatchError(
-                f"sent {spec.dtype}{list(spec.shape)}, model has "
-                f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}",
-                tensor=spec.name,
-            )
-        if not spec.is_whole and not is_plain(target):
-            raise MismatchError("chunked tensor needs a contiguous target", tensor=spec.name)
+    def expectations(self) -> Expectations:
+        """Every target by name with its dtype and shape; tied names are aliases."""
+        return expectations_of(self.targets, self._required)
 
     def _destination(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where ``name`` is written, and its flat bytes when it is plain.
@@ -164,7 +165,8 @@ class CallbackSink:
 
     The tensors are views into shared memory, valid only during the call: the callback must
     copy what it keeps. A tensor split across buckets is assembled first and passed whole.
-    ``expected`` (name -> (dtype, shape)) enables checks before anything is passed on.
+    ``expected`` (name -> (dtype, shape)) enables checks before anything is passed on, and
+    then a version must cover ``required`` (default: every expected name).
     """
 
     def __init__(
@@ -173,11 +175,13 @@ class CallbackSink:
         *,
         device: torch.device | str = "cpu",
         expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+        required: Iterable[str] | None = None,
         on_commit: Callable[[int], object] | None = None,
     ) -> None:
         self._load = load_weights
         self._device = torch.device(device)
         self._expected = expected
+        self._required = required
         self._on_commit = on_commit
         self._assembling: dict[str, torch.Tensor] = {}
 
@@ -191,18 +195,16 @@ class CallbackSink:
         """False: the callback applies tensors as they arrive."""
         return False
 
-    def check(self, spec: TensorSpec) -> None:
-        """With ``expected``: name known, dtype and shape equal."""
+    def expectations(self) -> Expectations | None:
+        """With ``expected``: those names, dtypes and shapes; otherwise None (anything)."""
         if self._expected is None:
-            return
-        if spec.name not in self._expected:
-            raise MismatchError("engine does not expect this tensor", tensor=spec.name)
-        dtype, shape = self._expected[spec.name]
-        if dtype_from_name(spec.dtype) != dtype or spec.shape != tuple(shape):
-            raise MismatchError(
-                f"sent {spec.dtype}{list(spec.shape)}, engine expects {dtype}{list(shape)}",
-                tensor=spec.name,
-            )
+            return None
+        tensors = {
+            name: Expected(dtype_name(dtype), tuple(shape))
+            for name, (dtype, shape) in self._expected.items()
+        }
+        required = self._expected if self._required is None else self._required
+        return Expectations(tensors, frozenset(required))
 
     def apply_bucket(self, items: BucketItems) -> None:
         """Pass whole tensors on in one call; keep chunks until their tensor is whole."""

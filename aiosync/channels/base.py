@@ -1,0 +1,52 @@
+"""The control-channel interface: small messages between a sender and one engine.
+
+A :class:`Channel` carries encoded messages to and from exactly one peer. A
+:class:`Listener` hands out a channel for each peer that reaches a bound address. Either
+role may bind or connect: an engine usually listens and trainers connect, and a server that
+engines reach turns it around. Tensor bytes never travel here; data planes carry them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import anyio
+
+
+class Channel(Protocol):
+    """A message pipe to one peer."""
+
+    @property
+    def peer(self) -> str:
+        """A name for the peer, unique among this process's channels, for messages."""
+
+    @property
+    def window(self) -> int | None:
+        """How many messages may await a reply at once (1 for REQ sockets), None: no limit."""
+
+    @property
+    def lost(self) -> anyio.Event:
+        """Set once the peer is known to be gone (its process died or it disconnected)."""
+
+    async def send(self, payload: bytes) -> None:
+        """Send one message; :class:`~aiosync.core.errors.PeerGoneError` if the peer left."""
+
+    async def recv(self) -> bytes:
+        """The next message from the peer."""
+
+    async def aclose(self) -> None:
+        """Close this end (idempotent); pending messages are dropped."""
+
+
+class Listener(Protocol):
+    """A bound address that yields a :class:`Channel` per peer."""
+
+    @property
+    def endpoint(self) -> str:
+        """The address peers connect to."""
+
+    async def accept(self) -> Channel:
+        """The channel of the next new peer."""
+
+    async def aclose(self) -> None:
+        """Stop listening and close every channel handed out (idempotent)."""

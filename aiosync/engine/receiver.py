@@ -1,0 +1,347 @@
+"""The engine's side: serves weight streams into a sink from the event loop.
+
+Embed it in an async rollout loop::
+
+    async with WeightReceiver(ModuleSink(model), endpoint) as receiver:
+        while True:
+            await generate(model)            # new versions are applied meanwhile
+            print(receiver.current_version)
+
+This module only moves bytes: every decision (accept, refuse, apply, commit, expire) is
+the :class:`~aiosync.core.engine_session.EngineSession`'s, and this loop carries out the
+actions it returns. ``current_version`` changes only on a commit, after the whole version
+was checked and every engine the sender needs had prepared it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from aiosync.channels.base import Channel, Listener
+from aiosync.core.engine_actions import (
+    Action,
+    Apply,
+    ClosePlane,
+    CommitSink,
+    Committed,
+    Discard,
+    OpenPlane,
+    Peer,
+    Reply,
+    SyncFailure,
+)
+from aiosync.core.engine_session import EngineSession
+from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
+from aiosync.core.wire import Message, decode, encode
+from aiosync.engine.sinks import WeightSink
+from aiosync.planes import ReceiverPlane, open_receiver_plane
+from aiosync.runtime import require_asyncio
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is nearer
+BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding and checking run in a worker thread
+INBOX = 64  # messages waiting for the serving loop, from all peers together
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """Timeouts of a receiver, in seconds.
+
+    ``stream_timeout``: the longest a sender may go without a bucket or commit in the middle
+    of a version before the stream is dropped. ``session_timeout``: the longest a session
+    may go without any message (senders send keepalives while idle) before it is closed and
+    its buffers unmapped. ``reply_timeout`` bounds sending one reply.
+    """
+
+    stream_timeout: float = 60.0
+    session_timeout: float = 60.0
+    reply_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if min(self.stream_timeout, self.session_timeout, self.reply_timeout) <= 0:
+            raise ValueError("receiver timeouts must be positive")
+
+
+class WeightReceiver:
+    """Serves weight streams from any number of senders into one sink, one stream at a time.
+
+    ``endpoint`` is an address to bind (default: ``ipc://`` in a new private directory; read
+    :attr:`endpoint` for the address to give senders) or a ready :class:`Listener`. Use as
+    ``async with``, entered and left in one task: the serving tasks live inside the block and
+    are cancelled, with every socket and buffer released, when it ends. While one sender
+    streams, another's version is refused as busy (it may retry). ``on_commit(version)`` runs
+    in a worker thread after each commit.
+    """
+
+    def __init__(
+        self,
+        sink: WeightSink,
+        endpoint: str | Listener | None = None,
+        *,
+        config: ReceiverConfig | None = None,
+        on_commit: Callable[[int], object] | None = None,
+    ) -> None:
+        self.sink = sink
+        self.config = config or ReceiverConfig()
+        self._endpoint = endpoint
+        self._on_commit = on_commit
+        self._machine: EngineSession | None = None
+        self._listener: Listener | None = None
+        self._channels: dict[Peer, Channel] = {}
+        self._planes: dict[Peer, ReceiverPlane] = {}
+        self._limiter = anyio.CapacityLimiter(1)
+        self._committed = anyio.Event()
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    # --- what an engine reads -------------------------------------------------------
+
+    @property
+    def _session(self) -> EngineSession:
+        if self._machine is None:
+            raise UsageError("receiver is not open; use 'async with WeightReceiver(...)'")
+        return self._machine
+
+    @property
+    def current_version(self) -> int | None:
+        """The last committed version (None before the first)."""
+        return self._machine.current_version if self._machine else None
+
+    @property
+    def servable(self) -> bool:
+        """False while an in-place sink holds part of an uncommitted version."""
+        return self._machine.servable if self._machine else True
+
+    @property
+    def failures(self) -> list[SyncFailure]:
+        """Every stream that did not commit, oldest first."""
+        return self._machine.failures if self._machine else []
+
+    @property
+    def last_failure(self) -> SyncFailure | None:
+        """The most recent stream that failed, if any."""
+        return self.failures[-1] if self.failures else None
+
+    @property
+    def protocol_errors(self) -> int:
+        """Messages refused as malformed or out of order."""
+        return self._machine.protocol_errors if self._machine else 0
+
+    @property
+    def sessions(self) -> int:
+        """Sender sessions open now (each holds its plane open)."""
+        return len(self._machine.sessions) if self._machine else 0
+
+    @property
+    def endpoint(self) -> str:
+        """The address senders connect to."""
+        if self._listener is None:
+            raise UsageError("receiver is not open")
+        return self._listener.endpoint
+
+    async def wait_for_version(self, version: int, timeout: float) -> int:
+        """Wait until ``current_version >= version``; :class:`SyncTimeoutError` after timeout."""
+        with anyio.move_on_after(timeout):
+            while (current := self.current_version) is None or current < version:
+                await self._committed.wait()
+            return current
+        raise SyncTimeoutError(
+            f"still at version {self.current_version} after {timeout:g}s", version=version
+        )
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> WeightReceiver:
+        require_asyncio("WeightReceiver")
+        expectations = await anyio.to_thread.run_sync(self.sink.expectations)
+        self._machine = EngineSession(
+            expectations=expectations,
+            staged=self.sink.staged,
+            stream_timeout=self.config.stream_timeout,
+            session_timeout=self.config.session_timeout,
+        )
+        if isinstance(self._endpoint, str | None):
+            from aiosync.channels.zmq import ZmqListener
+
+            self._listener = ZmqListener.open(self._endpoint)
+        else:
+            self._listener = self._endpoint
+        inbox_tx, inbox_rx = anyio.create_memory_object_stream[tuple[Peer, bytes]](INBOX)
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._task_group.start_soon(self._accept, inbox_tx)
+        self._task_group.start_soon(self._serve, inbox_rx)
+        log.info("receiving weights at %s", self.endpoint)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if self._task_group is not None:
+                self._task_group.cancel_scope.cancel()
+                await self._task_group.__aexit__(exc_type, exc, tb)
+        finally:
+            self._task_group = None
+            if self._machine is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._perform(self._machine.close(), replies=False)
+            if self._listener is not None and self._listener is not self._endpoint:
+                with anyio.CancelScope(shield=True):
+                    await self._listener.aclose()
+
+    # --- the loops --------------------------------------------------------------------
+
+    async def _accept(self, inbox: MemoryObjectSendStream[tuple[Peer, bytes]]) -> None:
+        assert self._listener is not None
+        async with inbox, anyio.create_task_group() as tg:
+            while True:
+                channel = await self._listener.accept()
+                self._channels[channel.peer] = channel
+                tg.start_soon(self._pump, channel, inbox.clone())
+
+    async def _pump(
+        self, channel: Channel, inbox: MemoryObjectSendStream[tuple[Peer, bytes]]
+    ) -> None:
+        """Forward one peer's messages to the serving loop until its channel closes."""
+        async with inbox:
+            try:
+                while True:
+                    await inbox.send((channel.peer, await channel.recv()))
+            except AiosyncError as exc:
+                log.debug("channel %s ended: %s", channel.peer, exc)
+            finally:
+                self._channels.pop(channel.peer, None)
+
+    async def _serve(self, inbox: MemoryObjectReceiveStream[tuple[Peer, bytes]]) -> None:
+        machine = self._session
+        async with inbox:
+            while True:
+                deadline = machine.next_deadline()
+                wait = IDLE_POLL if deadline is None else deadline - time.monotonic()
+                item = None
+                with anyio.move_on_after(min(max(wait, 0.0), IDLE_POLL)):
+                    item = await inbox.receive()
+                if item is not None:
+                    await self._perform(await self._decide(*item))
+                await self._perform(machine.expire(time.monotonic()))
+
+    async def _decide(self, peer: Peer, payload: bytes) -> list[Action]:
+        """Decode and hand to the session; large messages in a worker thread."""
+        if len(payload) > BIG_MESSAGE:
+            return await anyio.to_thread.run_sync(self._decide_now, peer, payload)
+        return self._decide_now(peer, payload)
+
+    def _decide_now(self, peer: Peer, payload: bytes) -> list[Action]:
+        machine = self._session
+        try:
+            message = decode(payload)
+        except ProtocolError as exc:
+            log.warning("undecodable message from %s: %s", peer, exc)
+            return machine.undecodable(peer, exc)
+        return machine.receive(peer, message, time.monotonic())
+
+    # --- carrying out actions ---------------------------------------------------------
+
+    async def _perform(self, actions: list[Action], *, replies: bool = True) -> None:
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, Reply):
+                if replies:
+                    await self._reply(action.peer, action.message)
+                continue
+            queue.extendleft(reversed(await self._do(action)))
+
+    async def _reply(self, peer: Peer, message: Message) -> None:
+        channel = self._channels.get(peer)
+        if channel is None:
+            return
+        with anyio.move_on_after(self.config.reply_timeout) as scope:
+            try:
+                await channel.send(encode(message))
+            except AiosyncError as exc:
+                log.warning("could not reply %s to %s: %s", type(message).__name__, peer, exc)
+        if scope.cancelled_caught:
+            log.warning("reply %s to %s timed out", type(message).__name__, peer)
+
+    async def _do(self, action: Action) -> list[Action]:
+        machine = self._session
+        if isinstance(action, OpenPlane):
+            try:
+                plane = await anyio.to_thread.run_sync(
+                    open_receiver_plane, action.plane, self.sink.device
+                )
+            except Exception as exc:
+                log.warning("refused session from %s: %s", action.peer, exc)
+                return machine.plane_failed(action.peer, str(exc))
+            self._planes[action.peer] = plane
+            return machine.plane_opened(action.peer)
+        if isinstance(action, ClosePlane):
+            closing = self._planes.pop(action.peer, None)
+            if closing is not None:
+                closing.close()
+            return []
+        if isinstance(action, Apply):
+            try:
+                plane = self._planes[action.peer]
+                await anyio.to_thread.run_sync(self._apply, plane, action, limiter=self._limiter)
+            except Exception as exc:
+                return machine.apply_failed(action.peer, action.seq, _apply_error(action, exc))
+            return machine.applied(action.peer, action.seq, time.monotonic())
+        if isinstance(action, Discard):
+            try:
+                self.sink.abort()
+            except Exception:
+                log.exception("sink failed to discard version %d", action.version)
+            return []
+        if isinstance(action, CommitSink):
+            try:
+                await anyio.to_thread.run_sync(
+                    self.sink.commit, action.version, limiter=self._limiter
+                )
+            except Exception as exc:
+                error = AiosyncError(f"engine failed to commit: {exc}", version=action.version)
+                return machine.commit_failed(action.peer, action.version, error)
+            return machine.commit_done(action.peer, action.version, time.monotonic())
+        if isinstance(action, Committed):
+            await self._committed_hook(action.version)
+        return []
+
+    def _apply(self, plane: ReceiverPlane, action: Apply) -> None:
+        """Hand the sink each spec's bytes (a worker thread)."""
+        view = plane.view(action.buffer, action.used)
+        items = [(spec, view[spec.offset : spec.offset + spec.nbytes]) for spec in action.specs]
+        self.sink.apply_bucket(items)
+
+    async def _committed_hook(self, version: int) -> None:
+        log.info("committed version %d", version)
+        self._committed.set()
+        self._committed = anyio.Event()
+        if self._on_commit is not None:
+            try:
+                await anyio.to_thread.run_sync(self._on_commit, version)
+            except Exception:
+                log.exception("on_commit hook failed for version %d", version)
+
+
+def _apply_error(action: Apply, exc: Exception) -> AiosyncError:
+    if isinstance(exc, AiosyncError):
+        return exc
+    names = ", ".join(spec.name for spec in action.specs[:3])
+    return AiosyncError(
+        f"engine failed to apply bucket ({names}): {exc}",
+        tensor=action.specs[0].name if action.specs else None,
+    )

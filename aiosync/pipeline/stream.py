@@ -1,0 +1,380 @@
+"""One version's trip to a fleet of engines: begin, stream buckets, prepare, commit.
+
+Stages run concurrently in one task group: a packer fills a free buffer (in a worker thread,
+with the planning and message encoding of that bucket) and publishes it; per engine, a
+sender task sends each bucket message and an acker task matches the engine's acks. A buffer
+is free again once every live engine acked it, so the ring of buffers is the backpressure:
+with ``N`` buffers at most ``N`` buckets are in flight, to every engine at once. Each bucket
+is packed once, whatever the number of engines.
+
+Commit is two-phase (:class:`~aiosync.core.trainer_session.FleetVote`): engines first report
+the version complete and checked, then all are told to commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream as Receiving
+from anyio.streams.memory import MemoryObjectSendStream as Sending
+
+from aiosync.core.errors import (
+    AiosyncError,
+    FleetError,
+    MismatchError,
+    PeerGoneError,
+    ProtocolError,
+    SyncTimeoutError,
+)
+from aiosync.core.layout import BucketPlan, TensorSpec
+from aiosync.core.manifest import TensorMeta
+from aiosync.core.trainer_session import EngineOutcome, FleetVote, Policy, Verdict
+from aiosync.core.wire import Abort, Begin, Bucket, Commit, Complete, Slot, encode
+from aiosync.pipeline.ledger import BufferLedger
+from aiosync.pipeline.links import EngineLink
+from aiosync.pipeline.report import ProgressCallback, SyncProgress, SyncReport
+from aiosync.planes.base import SenderPlane
+
+log = logging.getLogger(__name__)
+
+BIG_MESSAGE = 256
+"""Manifest entries or bucket items beyond which encoding moves to a worker thread."""
+ABORT_TIMEOUT = 1.0
+
+
+@dataclass(frozen=True)
+class _Packed:
+    seq: int
+    index: int
+    payload: bytes
+    plan: BucketPlan
+
+
+class StreamRun:
+    """Streams one version to ``links`` through ``plane``; :meth:`run` reports or raises."""
+
+    def __init__(
+        self,
+        *,
+        links: list[EngineLink],
+        plane: SenderPlane,
+        version: int,
+        manifest: list[TensorMeta] | None,
+        policy: Policy,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self.links = {link.name: link for link in links}
+        self.plane = plane
+        self.version = version
+        self.manifest = manifest
+        self.entries = {meta.name: i for i, meta in enumerate(manifest)} if manifest else {}
+        self.vote = FleetVote(list(self.links), policy)
+        self.progress = progress
+        self.timeout = min(link.timeout for link in links)
+        self._limiter = anyio.CapacityLimiter(1)
+        self.sent_buckets = self.sent_tensors = 0
+        self.acked = SyncProgress(version, 0, 0, 0)
+        self._outcomes: dict[str, EngineOutcome] = {}
+        self._started = time.perf_counter()
+
+    # --- the whole version ------------------------------------------------------------
+
+    async def run(self, plans: Iterator[BucketPlan]) -> SyncReport:
+        """Stream every planned bucket to every engine, then commit under the policy."""
+        try:
+            begin = Begin(self.version, self.manifest)
+            payload = await self._encode(begin, len(self.manifest or ()))
+            await self._each(self._begin, payload)
+            if self.vote.verdict() is not Verdict.ABORT:
+                await self._stream(plans)
+            if self.vote.verdict() is not Verdict.ABORT:
+                await self._each(self._complete)
+        except BaseException:
+            await self._abort("the trainer failed mid-stream")
+            raise
+        if self.vote.verdict() is not Verdict.COMMIT:
+            await self._abort("another engine failed")
+            raise self._failure()
+        await self._each(self._commit, only=list(self.vote.prepared))
+        return self._report()
+
+    async def _each(
+        self, step: Callable[..., object], *args: object, only: list[str] | None = None
+    ) -> None:
+        """Run ``step(link, *args)`` for every live engine at once; failures go to the vote.
+
+        Every engine's answer is awaited (each wait is bounded), so an error names every
+        engine that refused, not just the first.
+        """
+        async with anyio.create_task_group() as tg:
+            for name in only if only is not None else self.vote.live:
+                tg.start_soon(self._guard, None, self.links[name], step, *args)
+
+    async def _guard(
+        self,
+        tg: anyio.abc.TaskGroup | None,
+        link: EngineLink,
+        step: Callable[..., object],
+        *args: object,
+    ) -> None:
+        """Run one engine's step; a failure goes to the vote.
+
+        Once the version is hopeless, ``tg`` (the other engines' streaming) is cancelled.
+        """
+        try:
+            await step(link, *args)  # type: ignore[misc]
+        except AiosyncError as exc:
+            self._link_failed(link, exc)
+            if tg is not None and self.vote.hopeless:
+                tg.cancel_scope.cancel()
+
+    def _link_failed(self, link: EngineLink, exc: AiosyncError) -> None:
+        log.warning("engine %s failed version %d: %s", link.name, self.version, exc)
+        link.session.failed()
+        if exc.peer is None:
+            exc = type(exc)(exc.reason, peer=link.name, version=self.version, tensor=exc.tensor)
+        if link.name in self.vote.prepared:  # the decision was commit: it is just late
+            self._outcomes[link.name] = self._outcome(link, "lost after prepare", exc)
+        else:
+            self.vote.fail(link.name, exc)
+        if _breaks_session(exc) or link.window is not None:
+            link.broken = exc
+
+    # --- phases -----------------------------------------------------------------------
+
+    async def _begin(self, link: EngineLink, payload: bytes) -> None:
+        link.session.begin(self.version)
+        await link.request(payload, 0, "the version's manifest", self.version)
+
+    async def _complete(self, link: EngineLink) -> None:
+        seq = self.sent_buckets + 1
+        message = Complete(self.version, seq, self.sent_buckets, self.sent_tensors)
+        await link.request(encode(message), seq, "completion check", self.version)
+        self.vote.prepare(link.name)
+
+    async def _commit(self, link: EngineLink) -> None:
+        seq = self.sent_buckets + 2
+        await link.request(encode(Commit(self.version, seq)), seq, "commit", self.version)
+        link.session.committed()
+        self._outcomes[link.name] = self._outcome(link, "committed")
+
+    async def _abort(self, reason: str) -> None:
+        """Tell every engine that may hold part of this version to drop it (best effort)."""
+        message = encode(Abort(reason, self.version))
+        for link in self.links.values():
+            if link.broken is not None or link.name in self._outcomes:
+                continue
+            link.session.failed()
+            if link.window is not None:  # a REQ socket cannot send unasked
+                link.broken = PeerGoneError("stream abandoned on a REQ socket", peer=link.name)
+                continue
+            with anyio.move_on_after(ABORT_TIMEOUT, shield=True):
+                try:
+                    await link.channel.send(message)
+                except AiosyncError as exc:
+                    log.warning("could not tell %s to abort: %s", link.name, exc)
+
+    # --- streaming --------------------------------------------------------------------
+
+    async def _stream(self, plans: Iterator[BucketPlan]) -> None:
+        count = self.plane.count
+        free_tx, free_rx = anyio.create_memory_object_stream[int](count)
+        for index in range(count):
+            free_tx.send_nowait(index)
+        ledger: BufferLedger[BucketPlan] = BufferLedger()
+        outboxes: dict[str, Sending[_Packed]] = {}
+        async with free_tx, free_rx, anyio.create_task_group() as tg:
+            for name in self.vote.live:
+                tx, rx = anyio.create_memory_object_stream[_Packed](count)
+                outboxes[name] = tx
+                tg.start_soon(
+                    self._guard, tg, self.links[name], self._link_stage, rx, ledger, free_tx
+                )
+            await self._pack_stage(plans, free_rx, ledger, outboxes)
+
+    async def _pack_stage(
+        self,
+        plans: Iterator[BucketPlan],
+        free: Receiving[int],
+        ledger: BufferLedger[BucketPlan],
+        outboxes: dict[str, Sending[_Packed]],
+    ) -> None:
+        try:
+            while self.vote.live:
+                with anyio.move_on_after(self.timeout) as scope:
+                    index = await free.receive()
+                if scope.cancelled_caught:
+                    held = ", ".join(self.vote.live)
+                    raise SyncTimeoutError(
+                        f"no buffer freed within {self.timeout:g}s by {held}", version=self.version
+                    )
+                packed = await anyio.to_thread.run_sync(
+                    self._pack_next, plans, index, limiter=self._limiter
+                )
+                if packed is None:
+                    return
+                await self.plane.publish(index, packed.plan.used)
+                live = self.vote.live
+                ledger.hold(index, live, packed.plan)
+                for name in live:
+                    outboxes[name].send_nowait(packed)
+        finally:
+            for outbox in outboxes.values():
+                outbox.close()
+
+    def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> _Packed | None:
+        """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""
+        try:
+            plan = next(plans, None)
+        except AiosyncError:
+            raise
+        except Exception as exc:
+            raise MismatchError(f"cannot read the tensors: {exc}", version=self.version) from exc
+        if plan is None:
+            return None
+        try:
+            self.plane.pack(index, plan)
+        except Exception as exc:
+            names = ", ".join(item.spec.name for item in plan.items[:3])
+            raise MismatchError(
+                f"cannot pack ({names}): {exc}",
+                version=self.version,
+                tensor=plan.items[0].spec.name if plan.items else None,
+            ) from exc
+        self.sent_buckets += 1
+        self.sent_tensors += sum(1 for item in plan.items if item.spec.is_last_chunk)
+        seq = self.sent_buckets
+        if self.manifest is not None:
+            slots = [self._slot(item.spec) for item in plan.items]
+            bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
+        else:
+            bucket = Bucket(self.version, seq, index, plan.used, specs=plan.specs)
+        return _Packed(seq, index, encode(bucket), plan)
+
+    def _slot(self, spec: TensorSpec) -> Slot:
+        entry = self.entries.get(spec.name)
+        if entry is None:
+            raise MismatchError("tensor is not in the version's manifest", tensor=spec.name)
+        return Slot(entry, spec.offset, spec.nbytes, spec.start)
+
+    async def _link_stage(
+        self,
+        link: EngineLink,
+        outbox: Receiving[_Packed],
+        ledger: BufferLedger[BucketPlan],
+        free: Sending[int],
+    ) -> None:
+        """Send every bucket to one engine and match its acks; gone: release its buffers."""
+        inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._send_loop, link, outbox, inflight_tx)
+                await self._ack_loop(link, inflight_rx, ledger, free)
+        except BaseException:
+            for index, plan in ledger.drop(link.name):
+                self._bucket_done(plan)
+                free.send_nowait(index)
+            raise
+
+    async def _send_loop(
+        self,
+        link: EngineLink,
+        outbox: Receiving[_Packed],
+        inflight: Sending[_Packed],
+    ) -> None:
+        async with outbox, inflight:
+            async for packed in outbox:
+                tensor = packed.plan.items[0].spec.name if packed.plan.items else None
+                if link.window is not None:
+                    with anyio.move_on_after(self.timeout) as scope:
+                        await link.window.acquire()
+                    if scope.cancelled_caught:
+                        raise link.timeout_error("ack freeing a send slot", self.version, tensor)
+                await link.send(packed.payload, "a bucket", self.version, tensor)
+                link.session.sent(packed.seq)
+                inflight.send_nowait(packed)
+
+    async def _ack_loop(
+        self,
+        link: EngineLink,
+        inflight: Receiving[_Packed],
+        ledger: BufferLedger[BucketPlan],
+        free: Sending[int],
+    ) -> None:
+        async with inflight:
+            async for packed in inflight:
+                tensor = packed.plan.items[0].spec.name if packed.plan.items else None
+                ack = await link.recv_ack("ack for a bucket", self.version, tensor)
+                if link.window is not None:
+                    link.window.release()
+                if not ack.ok:
+                    raise link.refusal(ack, "bucket")
+                plan = ledger.release(packed.index, link.name)
+                if plan is not None:
+                    self._bucket_done(plan)
+                    free.send_nowait(packed.index)
+
+    def _bucket_done(self, plan: BucketPlan) -> None:
+        done = self.acked
+        tensors = sum(1 for item in plan.items if item.spec.is_last_chunk)
+        self.acked = SyncProgress(
+            self.version, done.buckets + 1, done.tensors + tensors, done.bytes + plan.payload_bytes
+        )
+        if self.progress is not None:
+            self.progress(self.acked)
+
+    # --- outcome ----------------------------------------------------------------------
+
+    async def _encode(self, message: Begin, size: int) -> bytes:
+        if size > BIG_MESSAGE:
+            return await anyio.to_thread.run_sync(encode, message)
+        return encode(message)
+
+    def _outcome(
+        self, link: EngineLink, status: str, error: AiosyncError | None = None
+    ) -> EngineOutcome:
+        committed = status == "committed"
+        return EngineOutcome(
+            link.name,
+            status,
+            self.version if committed else link.session.remote_version,
+            time.perf_counter() - self._started if committed else None,
+            None if error is None else str(error),
+        )
+
+    def _failure(self) -> AiosyncError:
+        failed = self.vote.failed
+        if len(failed) == 1:
+            return next(iter(failed.values()))
+        if not failed:
+            return PeerGoneError("no engine took the version", version=self.version)
+        return FleetError(f"{len(failed)} engines failed", dict(failed), version=self.version)
+
+    def _report(self) -> SyncReport:
+        outcomes = dict(self._outcomes)
+        for name, error in self.vote.failed.items():
+            outcomes[name] = self._outcome(self.links[name], "failed", error)
+        if not any(o.status == "committed" for o in outcomes.values()):
+            raise (
+                self._failure()
+                if self.vote.failed
+                else PeerGoneError("every engine was lost after preparing", version=self.version)
+            )
+        done = self.acked
+        return SyncReport(
+            self.version,
+            done.buckets,
+            done.tensors,
+            done.bytes,
+            time.perf_counter() - self._started,
+            tuple(outcomes[name] for name in self.links if name in outcomes),
+        )
+
+
+def _breaks_session(exc: AiosyncError) -> bool:
+    """True for errors after which a session cannot be trusted (timeouts, lost peers)."""
+    return isinstance(exc, SyncTimeoutError | PeerGoneError | ProtocolError)

@@ -1,0 +1,41 @@
+"""Data planes: shared memory (CPU) and CUDA IPC (GPU) now; see :mod:`aiosync.planes.base`.
+
+Implementations are imported only when a plane of their kind is made, so a process that
+never touches CUDA or shared memory never loads their modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aiosync.core.wire import CudaIpcPlaneSpec, PlaneSpec, ShmPlaneSpec
+from aiosync.planes.base import ReceiverPlane, SenderPlane
+
+
+def create_sender_plane(device: torch.device, count: int, capacity: int) -> SenderPlane:
+    """A ring of ``count`` buffers of ``capacity`` bytes shareable from ``device``."""
+    if device.type == "cuda":
+        from aiosync.planes.cuda_ipc import CudaIpcSenderPlane
+
+        return CudaIpcSenderPlane(device, count, capacity)
+    if device.type == "cpu":
+        from aiosync.planes.shm import ShmSenderPlane
+
+        return ShmSenderPlane(count, capacity)
+    raise ValueError(f"no data plane for device {device}")
+
+
+def open_receiver_plane(spec: PlaneSpec, device: torch.device) -> ReceiverPlane:
+    """Open a peer's plane described by ``spec``; CUDA buffers open on ``device`` if CUDA."""
+    if isinstance(spec, ShmPlaneSpec):
+        from aiosync.planes.shm import ShmReceiverPlane
+
+        return ShmReceiverPlane(spec)
+    if isinstance(spec, CudaIpcPlaneSpec):
+        from aiosync.planes.cuda_ipc import CudaIpcReceiverPlane
+
+        return CudaIpcReceiverPlane(spec, device)
+    raise ValueError(f"unknown data plane {type(spec).__name__}")
+
+
+__all__ = ["ReceiverPlane", "SenderPlane", "create_sender_plane", "open_receiver_plane"]

@@ -1,0 +1,343 @@
+"""The trainer's side: an async context manager that streams versions to a fleet of engines.
+
+Example::
+
+    async with WeightSender(["ipc:///run/a.sock", "ipc:///run/b.sock"]) as sender:
+        for step in range(steps):
+            train_step()
+            report = await sender.send(model, version=step)
+
+One ring of buffers serves every engine: each bucket is packed once. Engines may be added
+and removed between versions. A version is committed under a :class:`Policy`: ``all``
+(default) commits only if every engine prepared it, ``available`` commits where it can.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import torch
+
+from aiosync.channels.base import Channel
+from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
+from aiosync.core.layout import ALIGNMENT, calculate_aligned_size, plan_buckets
+from aiosync.core.manifest import TensorMeta, build_manifest, module_tensors, visible_pairs
+from aiosync.core.trainer_session import LinkSession, Policy
+from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
+from aiosync.pipeline.links import EngineLink
+from aiosync.pipeline.report import ProgressCallback, SyncReport
+from aiosync.pipeline.stream import StreamRun
+from aiosync.planes import SenderPlane, create_sender_plane
+from aiosync.runtime import require_asyncio, unwrap_group
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+CLOSE_TIMEOUT = 1.0  # seconds a closing sender waits for each goodbye to be acknowledged
+
+Target = str | Channel
+"""An engine to reach: an endpoint to connect to (``ipc://`` or ``tcp://``) or a channel."""
+Manifest = Sequence[TensorMeta] | Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    """How a sender buffers, how long it waits and how it commits.
+
+    ``buffer_bytes`` is the size of each of the ``num_buffers`` buffers (rounded up to the
+    alignment); ``timeout`` bounds every wait on an engine, in seconds. Every ``keepalive``
+    seconds the sender tells idle engines it is alive (keep it well under their
+    ``session_timeout``); a caller's REQ socket cannot, so its sessions are short.
+    ``policy`` is the default commit policy, ``"all"`` or ``"available"``.
+    """
+
+    buffer_bytes: int = 128 * MiB
+    num_buffers: int = 2
+    timeout: float = 60.0
+    keepalive: float = 10.0
+    name: str = ""
+    policy: Policy | str = Policy.ALL
+
+    def __post_init__(self) -> None:
+        if self.num_buffers < 1:
+            raise ValueError("num_buffers must be at least 1")
+        if self.buffer_bytes < ALIGNMENT:
+            raise ValueError(f"buffer_bytes must be at least {ALIGNMENT}")
+        if self.timeout <= 0 or self.keepalive <= 0:
+            raise ValueError("timeout and keepalive must be positive")
+        object.__setattr__(self, "policy", Policy(self.policy))
+
+
+class WeightSender:
+    """Streams named tensors to any number of engines, one version at a time.
+
+    ``engines`` are the engines to reach at entry (more may be added with
+    :meth:`add_engine`). ``device`` picks the data plane: CPU shared memory, or CUDA IPC
+    memory on that GPU. Use as ``async with``, entered and left in one task; leaving it
+    says goodbye to every engine and releases sockets and buffers, also when cancelled.
+    """
+
+    def __init__(
+        self,
+        engines: Target | Sequence[Target] = (),
+        *,
+        device: torch.device | str = "cpu",
+        config: SenderConfig | None = None,
+    ) -> None:
+        self.config = config or SenderConfig()
+        self.device = torch.device(device)
+        many = isinstance(engines, Sequence) and not isinstance(engines, str)
+        self._initial: list[Target] = list(engines) if many else [engines]  # type: ignore[arg-type,list-item]
+        self._capacity = calculate_aligned_size(self.config.buffer_bytes)
+        self._links: dict[str, EngineLink] = {}
+        self._owned: dict[str, Channel] = {}
+        self._keepalives: dict[str, anyio.CancelScope] = {}
+        self.lost_engines: dict[str, AiosyncError] = {}
+        self._plane: SenderPlane | None = None
+        self._stack: AsyncExitStack | None = None
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._sending = False
+
+    @property
+    def engines(self) -> list[str]:
+        """The engines of the fleet now, by name."""
+        return list(self._links)
+
+    @property
+    def remote_versions(self) -> dict[str, int | None]:
+        """Each engine's current version as last confirmed to this sender."""
+        return {name: link.session.remote_version for name, link in self._links.items()}
+
+    @property
+    def remote_version(self) -> int | None:
+        """The oldest version any engine holds (None if one holds none)."""
+        versions = list(self.remote_versions.values())
+        if not versions or any(v is None for v in versions):
+            return None
+        return min(v for v in versions if v is not None)
+
+    @property
+    def peer(self) -> str:
+        """The engines' names, for messages."""
+        return ", ".join(self._links) or "no engine"
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> WeightSender:
+        require_asyncio("WeightSender")
+        self._stack = AsyncExitStack()
+        try:
+            plane = create_sender_plane(self.device, self.config.num_buffers, self._capacity)
+            self._stack.callback(plane.close)
+            self._plane = plane
+            self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+            self._stack.push_async_callback(self._stop_tasks)
+            self._stack.push_async_callback(self._say_goodbyes)
+            for target in self._initial:
+                await self.add_engine(target)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            await stack.__aexit__(exc_type, exc, tb)
+        self._plane = None
+
+    async def _stop_tasks(self) -> None:
+        if self._tasks is not None:
+            self._tasks.cancel_scope.cancel()
+
+    async def _say_goodbyes(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for name in list(self._links):
+                await self.remove_engine(name)
+
+    async def add_engine(self, target: Target) -> str:
+        """Open a session with one more engine (between versions); returns its name."""
+        if self._plane is None or self._tasks is None:
+            raise UsageError("sender is not open; use 'async with WeightSender(...)'")
+        if self._sending:
+            raise UsageError("engines may be added only between versions")
+        if isinstance(target, str):
+            from aiosync.channels.zmq import ZmqChannel
+
+            channel: Channel = ZmqChannel.connect(target)
+            owned = True
+        else:
+            channel, owned = target, False
+        name = channel.peer
+        if name in self._links:
+            name = f"{name}#{len(self._links)}"
+        link = EngineLink(channel, LinkSession(name, uuid.uuid4().hex), self.config.timeout)
+        hello = link.session.hello(self.config.name or f"pid-{os.getpid()}", self._plane.spec)
+        try:
+            ready = await link.handshake(hello)
+        except BaseException:
+            if owned:
+                await channel.aclose()
+            raise
+        self._links[name] = link
+        if owned:
+            self._owned[name] = channel
+        if channel.window is None:  # a REQ socket must not send unasked
+            scope = anyio.CancelScope()
+            self._keepalives[name] = scope
+            self._tasks.start_soon(self._keep_alive, link, scope)
+        log.info("session open with %s (engine at version %s)", name, ready.version)
+        return name
+
+    async def remove_engine(self, name: str) -> None:
+        """Say goodbye to one engine and close its channel (between versions)."""
+        if self._sending:
+            raise UsageError("engines may be removed only between versions")
+        link = self._links.pop(name, None)
+        if link is None:
+            raise UsageError(f"no engine {name!r} in this sender's fleet")
+        scope = self._keepalives.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+        if link.broken is None:
+            with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                try:
+                    await _goodbye(link)
+                except AiosyncError as exc:
+                    log.info("goodbye to %s failed: %s", name, exc)
+        channel = self._owned.pop(name, None)
+        if channel is not None:
+            await channel.aclose()
+
+    async def _keep_alive(self, link: EngineLink, scope: anyio.CancelScope) -> None:
+        """Tell the engine, every ``keepalive`` seconds, that this session is alive."""
+        ping = encode(Ping(session=link.session.session))
+        with scope:
+            while link.broken is None:
+                await anyio.sleep(self.config.keepalive)
+                with anyio.move_on_after(self.config.timeout):
+                    try:
+                        await link.channel.send(ping)
+                    except AiosyncError as exc:  # never let a keepalive take the session down
+                        log.warning("keepalive to %s failed: %s", link.name, exc)
+                        return
+
+    # --- sending ----------------------------------------------------------------------
+
+    async def send(
+        self,
+        named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any] | torch.nn.Module,
+        *,
+        version: int | None = None,
+        manifest: Manifest | None = None,
+        policy: Policy | str | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> SyncReport:
+        """Stream every tensor as ``version`` and return once the engines committed it.
+
+        ``named_tensors`` is a mapping, its ``.items()``, a list of pairs, a module, or any
+        iterable of pairs (a generator streams with buffers plus one tensor in memory). The
+        manifest is read from the first four; pass ``manifest=`` (metadata entries or a
+        name -> tensor map, meta tensors welcome) to give one for a generator. ``version``
+        defaults to one past the newest an engine holds. On failure, engines keep their
+        previous version as the policy says, and the error names each failed engine.
+        """
+        if self._plane is None:
+            raise UsageError("sender is not open; use 'async with WeightSender(...)'")
+        if self._sending:
+            raise UsageError("a send is already running on this sender; await it first")
+        if progress is not None and inspect.iscoroutinefunction(progress):
+            raise UsageError("progress must be a plain function, not a coroutine function")
+        if not self._links:
+            lost = "; ".join(f"{n}: {e.reason}" for n, e in self.lost_engines.items())
+            raise PeerGoneError("no engines to send to" + (f" (lost {lost})" if lost else ""))
+        self._sending = True
+        try:
+            return await self._send(named_tensors, version, manifest, policy, progress)
+        finally:
+            self._sending = False
+            await self._drop_broken()
+
+    async def _send(
+        self,
+        source: Any,
+        version: int | None,
+        manifest: Manifest | None,
+        policy: Policy | str | None,
+        progress: ProgressCallback | None,
+    ) -> SyncReport:
+        if isinstance(source, torch.nn.Module):
+            source = module_tensors(source)
+        pairs = visible_pairs(source)
+        entries = await anyio.to_thread.run_sync(self._manifest, pairs, manifest)
+        if version is None:
+            known = [v for v in self.remote_versions.values() if v is not None]
+            version = max(known) + 1 if known else 0
+        run = StreamRun(
+            links=list(self._links.values()),
+            plane=self._plane,  # type: ignore[arg-type]
+            version=version,
+            manifest=entries,
+            policy=Policy(policy or self.config.policy),
+            progress=progress,
+        )
+        plans = plan_buckets(source if pairs is None else pairs, self._capacity)
+        try:
+            report = await run.run(plans)
+        except BaseException as group:
+            exc = unwrap_group(group)
+            if exc is group:
+                raise
+            raise exc from None
+        log.info(
+            "version %d: %d tensors, %.1f MB in %.3fs (%.2f GB/s) to %s",
+            report.version,
+            report.tensors,
+            report.bytes / 1e6,
+            report.seconds,
+            report.gbps,
+            ", ".join(report.committed),
+        )
+        return report
+
+    def _manifest(
+        self, pairs: list[tuple[str, Any]] | None, given: Manifest | None
+    ) -> list[TensorMeta] | None:
+        if given is None:
+            return None if pairs is None else build_manifest(pairs, self._capacity)
+        if isinstance(given, Mapping):
+            return build_manifest(given.items(), self._capacity)
+        return list(given)
+
+    async def _drop_broken(self) -> None:
+        """Engines whose session broke leave the fleet; they are kept in ``lost_engines``."""
+        for name, link in list(self._links.items()):
+            if link.broken is not None:
+                log.warning("engine %s leaves the fleet: %s", name, link.broken)
+                self.lost_engines[name] = link.broken
+                with anyio.CancelScope(shield=True):
+                    await self.remove_engine(name)
+
+
+async def _goodbye(link: EngineLink) -> None:
+    """Close the session and wait for its ack, skipping acks of abandoned streams."""
+    await link.channel.send(encode(Goodbye(session=link.session.session)))
+    while True:
+        reply = decode(await link.channel.recv())
+        if isinstance(reply, Ack) and reply.seq == GOODBYE_SEQ:
+            return
