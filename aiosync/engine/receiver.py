@@ -41,7 +41,7 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.wire import Message, decode, encode
+from aiosync.core.wire import Begin, Bucket, Complete, Message, decode, encode
 from aiosync.engine.sinks import WeightSink
 from aiosync.planes import ReceiverPlane, open_receiver_plane
 from aiosync.runtime import require_asyncio
@@ -49,7 +49,8 @@ from aiosync.runtime import require_asyncio
 log = logging.getLogger(__name__)
 
 IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is nearer
-BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding and checking run in a worker thread
+BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding runs in a worker thread
+MANY_TENSORS = 256  # tensors beyond which a message's checks run in a worker thread
 INBOX = 64  # messages waiting for the serving loop, from all peers together
 
 
@@ -239,18 +240,22 @@ class WeightReceiver:
                 await self._perform(machine.expire(time.monotonic()))
 
     async def _decide(self, peer: Peer, payload: bytes) -> list[Action]:
-        """Decode and hand to the session; large messages in a worker thread."""
-        if len(payload) > BIG_MESSAGE:
-            return await anyio.to_thread.run_sync(self._decide_now, peer, payload)
-        return self._decide_now(peer, payload)
+        """Decode and hand to the session.
 
-    def _decide_now(self, peer: Peer, payload: bytes) -> list[Action]:
+        Large messages, and checks that walk many tensors, run in a worker thread so that
+        per-tensor work never blocks the loop.
+        """
         machine = self._session
         try:
-            message = decode(payload)
+            if len(payload) > BIG_MESSAGE:
+                message = await anyio.to_thread.run_sync(decode, payload)
+            else:
+                message = decode(payload)
         except ProtocolError as exc:
             log.warning("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
+        if _walks_tensors(message):
+            return await anyio.to_thread.run_sync(machine.receive, peer, message, time.monotonic())
         return machine.receive(peer, message, time.monotonic())
 
     # --- carrying out actions ---------------------------------------------------------
@@ -321,10 +326,8 @@ class WeightReceiver:
         return []
 
     def _apply(self, plane: ReceiverPlane, action: Apply) -> None:
-        """Hand the sink each spec's bytes (a worker thread)."""
-        view = plane.view(action.buffer, action.used)
-        items = [(spec, view[spec.offset : spec.offset + spec.nbytes]) for spec in action.specs]
-        self.sink.apply_bucket(items)
+        """Hand the sink the bucket's bytes and specs (a worker thread)."""
+        self.sink.apply_bucket(plane.view(action.buffer, action.used), action.specs)
 
     async def _committed_hook(self, version: int) -> None:
         log.info("committed version %d", version)
@@ -335,6 +338,15 @@ class WeightReceiver:
                 await anyio.to_thread.run_sync(self._on_commit, version)
             except Exception:
                 log.exception("on_commit hook failed for version %d", version)
+
+
+def _walks_tensors(message: Message) -> bool:
+    """True for messages whose checks visit many tensors (run off the event loop)."""
+    if isinstance(message, Begin):
+        return len(message.manifest or ()) > MANY_TENSORS
+    if isinstance(message, Bucket):
+        return len(message.slots) + len(message.specs) > MANY_TENSORS
+    return isinstance(message, Complete)
 
 
 def _apply_error(action: Apply, exc: Exception) -> AiosyncError:

@@ -2,9 +2,10 @@
 
 A sink says once what it takes (:meth:`WeightSink.expectations`), which the engine's session
 checks every version and bucket against before any memory is touched. It is then driven
-from one worker thread: :meth:`WeightSink.apply_bucket` with each spec's bytes as a flat
-``uint8`` view of the data plane (valid only during the call), then :meth:`WeightSink.commit`
-or :meth:`WeightSink.abort` at the end of the version.
+from one worker thread: :meth:`WeightSink.apply_bucket` with a bucket's bytes (a flat
+``uint8`` view of the data plane, valid only during the call) and the checked specs saying
+where each tensor lies in them, then :meth:`WeightSink.commit` or :meth:`WeightSink.abort`
+at the end of the version.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import torch
 
 from aiosync.core.layout import (
     TensorSpec,
+    address_copy,
     bytes_as_tensor,
     copy_bytes,
     dtype_from_name,
     dtype_name,
     is_plain,
+    spec_bytes,
     tensor_bytes,
 )
 from aiosync.core.manifest import Expectations, Expected, expectations_of, module_tensors
-
-BucketItems = list[tuple[TensorSpec, torch.Tensor]]
 
 
 class WeightSink(Protocol):
@@ -42,8 +43,8 @@ class WeightSink(Protocol):
     def expectations(self) -> Expectations | None:
         """What the sink takes and what a version must cover; None: anything, nothing."""
 
-    def apply_bucket(self, items: BucketItems) -> None:
-        """Take one bucket: each spec with its bytes (flat ``uint8``) in shared memory."""
+    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        """Take one bucket: ``bucket`` holds each spec's bytes at ``spec.offset``."""
 
     def commit(self, version: int) -> None:
         """Make everything applied since the last commit visible as ``version``."""
@@ -93,7 +94,8 @@ class ModuleSink:
         self._staged = staged
         self._shadow: dict[str, torch.Tensor] = {}
         self._pending: set[str] = set()
-        self._bytes: dict[str, tuple[int, torch.Tensor | None]] = {}  # name -> (address, bytes)
+        # name -> (address, flat bytes if plain, whether plain on the CPU)
+        self._bytes: dict[str, tuple[int, torch.Tensor | None, bool]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -109,11 +111,12 @@ class ModuleSink:
         """Every target by name with its dtype and shape; tied names are aliases."""
         return expectations_of(self.targets, self._required)
 
-    def _destination(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Where ``name`` is written, and its flat bytes when it is plain.
+    def _destination(self, name: str) -> tuple[torch.Tensor, int, torch.Tensor | None, bool]:
+        """Where ``name`` is written: tensor, address, flat bytes, whether copied by address.
 
-        The bytes view is made once per tensor and address, not once per bucket: on a GPU
-        the per-tensor view calls cost more than the copies.
+        Flat bytes exist for plain targets; plain CPU targets are copied by address. Views
+        are made once per tensor and address, not once per bucket: for small tensors the
+        per-tensor view calls cost more than the copies.
         """
         if self._staged:
             dst = self._shadow.get(name)
@@ -127,16 +130,22 @@ class ModuleSink:
         address = dst.data_ptr()
         cached = self._bytes.get(name)
         if cached is None or cached[0] != address:
-            cached = (address, tensor_bytes(dst.detach()) if is_plain(dst) else None)
+            plain = is_plain(dst)
+            cached = (address, tensor_bytes(dst.detach()) if plain else None, plain and dst.is_cpu)
             self._bytes[name] = cached
-        return dst, cached[1]
+        return dst, address, cached[1], cached[2]
 
-    def apply_bucket(self, items: BucketItems) -> None:
+    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         """Copy each spec's bytes into its destination, then wait for the device to finish."""
+        base = bucket.data_ptr() if bucket.is_cpu else None
         with torch.no_grad():
-            for spec, raw in items:
-                dst, dst_bytes = self._destination(spec.name)
-                if dst_bytes is None:  # a non-contiguous target: whole tensors only (check)
+            for spec in specs:
+                dst, address, dst_bytes, by_address = self._destination(spec.name)
+                if base is not None and by_address:
+                    address_copy(address + spec.start, base + spec.offset, spec.nbytes)
+                    continue
+                raw = spec_bytes(bucket, spec)
+                if dst_bytes is None:  # a non-contiguous target: whole tensors only (checked)
                     dst.copy_(bytes_as_tensor(raw, spec), non_blocking=True)
                 elif spec.is_whole:
                     copy_bytes(dst_bytes, raw)
@@ -206,10 +215,11 @@ class CallbackSink:
         required = self._expected if self._required is None else self._required
         return Expectations(tensors, frozenset(required))
 
-    def apply_bucket(self, items: BucketItems) -> None:
+    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         """Pass whole tensors on in one call; keep chunks until their tensor is whole."""
         ready: list[tuple[str, torch.Tensor]] = []
-        for spec, raw in items:
+        for spec in specs:
+            raw = spec_bytes(bucket, spec)
             if spec.is_whole:
                 ready.append((spec.name, bytes_as_tensor(raw, spec)))
                 continue

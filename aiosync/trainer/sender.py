@@ -281,10 +281,7 @@ class WeightSender:
         policy: Policy | str | None,
         progress: ProgressCallback | None,
     ) -> SyncReport:
-        if isinstance(source, torch.nn.Module):
-            source = module_tensors(source)
-        pairs = visible_pairs(source)
-        entries = await anyio.to_thread.run_sync(self._manifest, pairs, manifest)
+        pairs, entries = await anyio.to_thread.run_sync(self._read, source, manifest)
         if version is None:
             known = [v for v in self.remote_versions.values() if v is not None]
             version = max(known) + 1 if known else 0
@@ -315,14 +312,21 @@ class WeightSender:
         )
         return report
 
-    def _manifest(
-        self, pairs: list[tuple[str, Any]] | None, given: Manifest | None
-    ) -> list[TensorMeta] | None:
+    def _read(
+        self, source: Any, given: Manifest | None
+    ) -> tuple[list[tuple[str, Any]] | None, list[TensorMeta] | None]:
+        """The pairs that can be read without consuming ``source``, and the manifest.
+
+        Per-tensor work, so it runs in a worker thread.
+        """
+        if isinstance(source, torch.nn.Module):
+            source = module_tensors(source)
+        pairs = visible_pairs(source)
         if given is None:
-            return None if pairs is None else build_manifest(pairs, self._capacity)
+            return pairs, None if pairs is None else build_manifest(pairs, self._capacity)
         if isinstance(given, Mapping):
-            return build_manifest(given.items(), self._capacity)
-        return list(given)
+            return pairs, build_manifest(given.items(), self._capacity)
+        return pairs, list(given)
 
     async def _drop_broken(self) -> None:
         """Engines whose session broke leave the fleet; they are kept in ``lost_engines``."""
