@@ -1,0 +1,273 @@
+"""The command line's arguments: the parser, one check per value, and ``--device auto``.
+
+Every value is checked by argparse itself (a ``type=`` function per kind of number), so a
+bad one ends with the usage and a one-line error, never a traceback. ``--log-level`` is
+accepted before or after the subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+MiB = 1 << 20
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+DESCRIPTION = """\
+Stream model weights from a trainer process to an inference engine process.
+
+demo   starts an engine and a trainer on this machine, streams a synthetic
+       Llama-shaped model for several versions and checks each one bit-exact.
+bench  measures that stream against a single-threaded memcpy and the simple
+       ways weights are moved today (torch.save over ZMQ, safetensors in /dev/shm).
+engine, trainer
+       the two sides on their own, as demo and bench run them; they report
+       JSON lines on stdout.
+"""
+
+
+class CommandError(Exception):
+    """A failure the command reports as one line on stderr (exit status 1)."""
+
+
+# --- value checks (argparse ``type=`` functions) ---------------------------------------------
+
+
+def _number(kind: Callable[[str], Any], text: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        name = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
+    if isinstance(value, float) and math.isnan(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer above 0."""
+    value: int = _number(int, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of 0 or more."""
+    value: int = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 (``inf`` allowed)."""
+    value: float = _number(float, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def log_level(text: str) -> str:
+    """A logging level name, in any case; returned in upper case."""
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a log level (choose from {', '.join(LOG_LEVELS)})"
+        )
+    return level
+
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def device_name(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (checked against the machine later)."""
+    name = text.strip().lower()
+    if not _DEVICE.match(name):
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, cpu, cuda or cuda:N")
+    return name
+
+
+def resolve_device(name: str) -> str:
+    """The concrete device for ``name``: ``auto`` is ``cuda:0`` when CUDA works, else ``cpu``.
+
+    Raises :class:`CommandError` for a CUDA device this machine does not have.
+    """
+    import torch
+
+    if name == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if not torch.cuda.is_available():
+        raise CommandError(f"--device {name}: CUDA is not available on this machine")
+    index = int(name.partition(":")[2] or torch.cuda.current_device())
+    if index >= torch.cuda.device_count():
+        raise CommandError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices"
+        )
+    return f"cuda:{index}"
+
+
+# --- the parser ------------------------------------------------------------------------------
+
+
+class _Help(argparse.HelpFormatter):
+    """Adds "(default: ...)" to the help of options that have a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _MainHelp(argparse.RawDescriptionHelpFormatter, _Help):
+    """Also keeps the main description's own line breaks."""
+
+
+def _log_level_option(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default=default,
+        metavar="LEVEL",
+        help=f"logging on stderr: {', '.join(LOG_LEVELS)}, any case; also after the subcommand",
+    )
+
+
+def _subparser(sub: Any, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help_text, description=description, formatter_class=_Help
+    )
+    # The main parser holds the default; here SUPPRESS leaves its value alone unless given.
+    _log_level_option(parser, default=argparse.SUPPRESS)
+    return parser
+
+
+def _model(parser: argparse.ArgumentParser, *, timeout_help: str) -> None:
+    parser.add_argument(
+        "--size-mb", type=positive_int, default=1024, metavar="MIB", help="model size in MiB"
+    )
+    parser.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        help="auto (cuda:0 when CUDA is available, else cpu), cpu, cuda or cuda:N",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=120.0, metavar="SECONDS", help=timeout_help
+    )
+
+
+def _buffers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--buffers", type=positive_int, default=2, help="shared buffers the trainer fills in turn"
+    )
+    parser.add_argument(
+        "--buffer-mb",
+        type=positive_float,
+        default=128.0,
+        metavar="MIB",
+        help="size of each shared buffer in MiB (fractions allowed)",
+    )
+
+
+def _report(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help=f"print {what} as one JSON object on the last line"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+PEER_WAIT = "seconds to wait on the other process at each step"
+
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
+    """The ``aiosync`` parser; ``commands`` maps each subcommand to the function that runs it."""
+    parser = argparse.ArgumentParser(
+        prog="aiosync", description=DESCRIPTION, formatter_class=_MainHelp
+    )
+    _log_level_option(parser, default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = _subparser(
+        sub,
+        "demo",
+        "stream a synthetic model trainer -> engine and check every version",
+        "Start an engine and a trainer process, stream a synthetic model for several versions "
+        "and check each one bit-exact on the engine.",
+    )
+    _model(demo, timeout_help=PEER_WAIT)
+    _buffers(demo)
+    demo.add_argument("--versions", type=positive_int, default=3, help="versions to stream")
+    _report(demo, "a summary")
+
+    bench = _subparser(
+        sub,
+        "bench",
+        "measure the stream against memcpy and the simple ways",
+        "Measure the trainer -> engine stream against a single-threaded memcpy and the "
+        "simple ways of moving weights.",
+    )
+    _model(bench, timeout_help=PEER_WAIT)
+    _buffers(bench)
+    bench.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed versions (after one warm-up)"
+    )
+    bench.add_argument("--skip-baselines", action="store_true", help="measure aiosync only")
+    _report(bench, "every figure")
+
+    trainer = _subparser(
+        sub,
+        "trainer",
+        "run the trainer side alone (JSON lines on stdout)",
+        "Send a synthetic model to an engine, one version after another, changing every "
+        "weight between versions as a training step would.",
+    )
+    trainer.add_argument(
+        "--endpoint", required=True, help="the engine's address (ipc:// or tcp://)"
+    )
+    trainer.add_argument(
+        "--versions", type=non_negative_int, default=3, help="versions to send; 0: until stopped"
+    )
+    _model(trainer, timeout_help=PEER_WAIT)
+    _buffers(trainer)
+
+    engine = _subparser(
+        sub,
+        "engine",
+        "run the engine side alone (JSON lines on stdout)",
+        "Receive versions of a synthetic model from trainers. Exits 1 with a one-line "
+        "message when the next version does not arrive within --timeout.",
+    )
+    engine.add_argument(
+        "--endpoint",
+        help="address to bind (ipc:// or tcp://); default: a socket in a new private directory",
+    )
+    engine.add_argument(
+        "--versions",
+        type=non_negative_int,
+        default=3,
+        help="versions to receive before exiting; 0: serve until stopped, with no time limit",
+    )
+    _model(
+        engine,
+        timeout_help="seconds to wait for each version: the first from start, each next one "
+        "from the one before",
+    )
+    engine.add_argument(
+        "--verify", action="store_true", help="repeat the trainer's steps and check each version"
+    )
+
+    for name, command in commands.items():
+        sub.choices[name].set_defaults(func=command)
+    return parser

@@ -1,0 +1,169 @@
+"""The ``trainer`` and ``engine`` roles: the two processes ``demo`` and ``bench`` start.
+
+Each role reports to its parent as JSON lines on stdout (``{"event": ..., ...}``), one per
+step, and logs through :mod:`logging` on stderr. Both use only aiosync's public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiosync.cli.args import MiB
+
+log = logging.getLogger("aiosync.cli")
+
+
+def emit(event: str, **fields: Any) -> None:
+    """One JSON line on stdout, for the parent process."""
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def trainer(args: argparse.Namespace) -> int:
+    """Send ``args.versions`` versions (0: until stopped) of a synthetic model."""
+    import torch
+
+    from aiosync import SenderConfig, WeightSender
+    from aiosync.bench.model import synthetic_state_dict
+    from aiosync.runtime import run
+
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    weights = synthetic_state_dict(args.size_mb * MiB, device=device)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    config = SenderConfig(
+        buffer_bytes=int(args.buffer_mb * MiB), num_buffers=args.buffers, timeout=args.timeout
+    )
+    versions = itertools.count() if args.versions == 0 else range(args.versions)
+
+    async def main() -> None:
+        async with WeightSender(args.endpoint, device=device, config=config) as sender:
+            for version in versions:
+                with torch.no_grad():
+                    for tensor in weights.values():
+                        tensor.add_(1.0)  # "a training step": the engine repeats it to verify
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                report = await sender.send(
+                    weights.items(),
+                    version=version,
+                    progress=lambda p: emit(
+                        "progress", version=p.version, bytes=p.bytes, total=total
+                    ),
+                )
+                log.info("trainer: sent version %d to %s", version, args.endpoint)
+                emit(
+                    "synced",
+                    version=report.version,
+                    bytes=report.bytes,
+                    tensors=report.tensors,
+                    buckets=report.buckets,
+                    seconds=report.seconds,
+                )
+
+    run(main)
+    return 0
+
+
+class _TimedSink:
+    """Passes everything to a sink and adds up the seconds it spends applying and committing."""
+
+    TIMED = frozenset({"apply_bucket", "commit"})
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.busy = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in self.TIMED or not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - started
+
+        return timed
+
+
+class NoVersionError(Exception):
+    """The engine waited longer than its timeout for the next version."""
+
+
+def engine(args: argparse.Namespace) -> int:
+    """Receive versions of a synthetic model; exit 1 if one fails its check or never comes."""
+    import torch
+
+    from aiosync import ModuleSink, ReceiverConfig, WeightReceiver
+    from aiosync.bench.model import synthetic_state_dict
+    from aiosync.runtime import run
+
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    expected = synthetic_state_dict(args.size_mb * MiB, device=device)
+    model = {name: torch.zeros_like(t) for name, t in expected.items()}
+    sink = _TimedSink(ModuleSink(model))
+    state = {"verified": -1, "bad": 0}
+
+    def verify(version: int) -> None:
+        """Repeat the trainer's step on the expected copy and compare (a worker thread)."""
+        busy, sink.busy = sink.busy, 0.0
+        ok = version == state["verified"] + 1
+        if ok and args.verify:
+            with torch.no_grad():
+                for tensor in expected.values():
+                    tensor.add_(1.0)
+            ok = all(torch.equal(model[name], tensor) for name, tensor in expected.items())
+        state["verified"] = version
+        state["bad"] += 0 if ok else 1
+        log.info("engine: version %d committed%s", version, " and verified" if ok else ", BAD")
+        emit("committed", version=version, verified=ok, engine_seconds=busy)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        committed: asyncio.Queue[int] = asyncio.Queue()
+
+        def on_commit(version: int) -> None:
+            verify(version)
+            loop.call_soon_threadsafe(committed.put_nowait, version)
+
+        config = ReceiverConfig(stream_timeout=args.timeout)
+        async with WeightReceiver(sink, args.endpoint, config=config, on_commit=on_commit) as rx:
+            emit("ready", endpoint=rx.endpoint)
+            await _wait_for_versions(committed, rx.endpoint, args.versions, args.timeout)
+
+    run(main)
+    return 1 if state["bad"] else 0
+
+
+async def _wait_for_versions(
+    committed: asyncio.Queue[int], endpoint: str, versions: int, timeout: float
+) -> None:
+    """Return once version ``versions - 1`` is committed (never when ``versions`` is 0)."""
+    wait = math.inf if versions == 0 else timeout
+    next_version = 0
+    while versions == 0 or next_version < versions:
+        try:
+            version = await asyncio.wait_for(committed.get(), None if wait == math.inf else wait)
+        except TimeoutError:
+            after = "" if next_version == 0 else f" after version {next_version - 1}"
+            raise NoVersionError(
+                f"engine at {endpoint}: no version {next_version} from any trainer within "
+                f"{timeout:g}s{after}"
+            ) from None
+        next_version = version + 1
+
+
+ROLES: dict[str, Callable[[argparse.Namespace], int]] = {"trainer": trainer, "engine": engine}
+
+__all__ = ["ROLES", "NoVersionError", "emit", "engine", "trainer"]
