@@ -1,18 +1,46 @@
-"""Shared fixtures: event-loop flavours, leak checks for shared memory and threads."""
+"""Shared fixtures: event-loop flavours, leak checks for shared memory and threads.
+
+Hypothesis profiles: "ci" (the default, and what CI runs) is derandomized with a fixed
+number of examples, so a run is repeatable; "wide" tries many more random examples. Choose
+with ``HYPOTHESIS_PROFILE=wide pytest ...`` (or pytest's ``--hypothesis-profile wide``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from aiosync.runtime import uvloop_available
 
 SHM = Path("/dev/shm")
+
+# Replaces Hypothesis's own "ci" profile (which it loads when CI is set) with a fixed one.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=50,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "wide",
+    derandomize=False,
+    max_examples=2_000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
 
 def pytest_asyncio_loop_factories(
@@ -29,9 +57,51 @@ def pytest_asyncio_loop_factories(
     return factories
 
 
+# Segment names carry their creator: aiosync-<pid namespace>-<pid>-<token> (the library's
+# buffers) and aiosync-bench-<pid>-<token>.safetensors (the bench baseline's files).
+_SEGMENT_CREATOR = re.compile(r"^aiosync-(?:(?P<ns>\d+)|bench)-(?P<pid>\d+)-")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])
+
+
+def _from_another_run(name: str) -> bool:
+    """Whether a segment belongs to a live process that is not this one nor one it started.
+
+    Other test runs on the same machine (another checkout, a concurrent CI job) create and
+    remove segments in the same /dev/shm; those are not this test's leaks. A segment whose
+    creator is gone still counts: it may be a peer that the test killed.
+    """
+    match = _SEGMENT_CREATOR.match(name)
+    if match is None:
+        return False
+    if match["ns"] is not None and int(match["ns"]) != _pid_namespace():
+        return True
+    pid: int | None = int(match["pid"])
+    if _parent_pid(pid) is None:  # not alive
+        return False
+    while pid is not None and pid > 1:
+        if pid == os.getpid():
+            return False
+        pid = _parent_pid(pid)
+    return True
+
+
 def aiosync_segments() -> set[str]:
-    """Names of aiosync shared-memory segments present now."""
-    return {p.name for p in SHM.glob("aiosync-*")}
+    """Names of aiosync shared-memory segments present now, less those of other runs."""
+    return {p.name for p in SHM.glob("aiosync-*") if not _from_another_run(p.name)}
 
 
 @pytest.fixture(autouse=True)

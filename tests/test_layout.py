@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from aiosync.errors import AiosyncError, ProtocolError
@@ -149,7 +149,6 @@ def test_exact_multiples_unchanged(multiple: int) -> None:
 
 
 @given(st.integers(0, 10**9), st.integers(1, 10**5))
-@settings(max_examples=50, deadline=None)
 def test_aligned_size_properties(size: int, alignment: int) -> None:
     got = calculate_aligned_size(size, alignment)
     assert got % alignment == 0
@@ -962,7 +961,6 @@ def make_tensor(
     slots=st.integers(1, 8),
     seed=st.integers(0, 2**31 - 1),
 )
-@settings(max_examples=50, deadline=None)
 def test_property_pack_then_view_reproduces_tensors(
     descs: list[tuple[tuple[int, ...], torch.dtype, bool]], slots: int, seed: int
 ) -> None:

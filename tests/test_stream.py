@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import time
+import threading
 from collections.abc import Iterable
 
 import anyio
@@ -191,19 +191,24 @@ async def test_callback_errors_reach_the_sender_with_tensor_names() -> None:
 
 
 async def test_slow_engine_makes_sender_time_out_not_hang() -> None:
-    def slow(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        import time
+    release = threading.Event()
 
-        time.sleep(1.5)  # runs in the receiver's worker thread
+    def slow(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # runs in the receiver's worker thread: held until the sender has given up
+        release.wait(timeout=60)
 
     config = SenderConfig(buffer_bytes=64 * 1024, timeout=0.5)
     async with WeightReceiver(CallbackSink(slow)) as receiver:
-        async with WeightSender(receiver.endpoint, config=config) as sender:
-            with pytest.raises(SyncTimeoutError, match="no ack") as info:
-                await sender.send(mixed_weights().items(), version=4)
-            assert info.value.version == 4
-            with pytest.raises(Exception, match="unusable"):
-                await sender.send(mixed_weights().items(), version=5)
+        try:
+            async with WeightSender(receiver.endpoint, config=config) as sender:
+                with pytest.raises(SyncTimeoutError, match="no ack") as info:
+                    await sender.send(mixed_weights().items(), version=4)
+                assert info.value.version == 4
+                with pytest.raises(Exception, match="unusable"):
+                    await sender.send(mixed_weights().items(), version=5)
+                release.set()  # let the engine finish before the sender closes
+        finally:
+            release.set()
         assert receiver.current_version is None
 
 
@@ -224,7 +229,8 @@ async def test_wait_for_version_times_out_with_a_clear_error() -> None:
 async def test_silent_trainer_mid_stream_is_reported_and_version_kept() -> None:
     good = mixed_weights()
     target = zeros_like(good)
-    config = ReceiverConfig(stream_timeout=0.3)
+    # the good version 0 must never look silent: its buckets are milliseconds apart
+    config = ReceiverConfig(stream_timeout=1.0)
     async with WeightReceiver(ModuleSink(target), config=config) as receiver:
         async with WeightSender(receiver.endpoint, config=SMALL) as sender:
             await sender.send(good.items(), version=0)
@@ -240,7 +246,7 @@ async def test_silent_trainer_mid_stream_is_reported_and_version_kept() -> None:
                 pack_bucket(segment.tensor, plan)
                 await channel.send(encode(Bucket(0, 1, 0, plan.used, plan.specs)))
                 assert decode(await channel.recv()).ok  # type: ignore[union-attr]
-                with anyio.fail_after(5):
+                with anyio.fail_after(20):  # hang guard: the stream timeout is 1 s
                     while not receiver.failures:
                         await anyio.sleep(0.05)
         finally:
@@ -256,12 +262,20 @@ def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
+async def wait_for_fds_closed(before: set[str]) -> None:
+    """Wait (10 s at most) until no descriptor opened since ``before`` is left."""
+    with anyio.fail_after(10):
+        while not open_fds() <= before:
+            await anyio.sleep(0.05)
+
+
 async def test_cancelled_send_releases_everything_and_keeps_the_version() -> None:
     started = anyio.Event()
+    release = threading.Event()
 
     def slow(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         anyio.from_thread.run_sync(started.set)
-        time.sleep(0.2)
+        release.wait(timeout=60)  # held until the send is cancelled
 
     fds = open_fds()
     async with WeightReceiver(CallbackSink(slow), config=ReceiverConfig(stream_timeout=0.5)) as rx:
@@ -277,13 +291,14 @@ async def test_cancelled_send_releases_everything_and_keeps_the_version() -> Non
             with anyio.fail_after(10):
                 await started.wait()
             tg.cancel_scope.cancel()
+            release.set()  # the send is cancelled while the engine was still applying
         with anyio.fail_after(10):
             while not rx.failures:
                 await anyio.sleep(0.05)
         assert rx.current_version is None
         assert rx.failures[-1].version == 3
-    await anyio.sleep(0.1)  # let the loop drop closed transports
-    assert open_fds() <= fds  # sockets, shared-memory maps and zmq pipes all closed
+    # sockets, shared-memory maps and zmq pipes all closed (once the loop drops transports)
+    await wait_for_fds_closed(fds)
 
 
 async def test_many_sessions_leak_no_file_descriptors() -> None:
@@ -294,8 +309,7 @@ async def test_many_sessions_leak_no_file_descriptors() -> None:
         for version in range(5):
             async with WeightSender(receiver.endpoint, config=SMALL) as sender:
                 await sender.send(weights.items(), version=version)
-    await anyio.sleep(0.1)
-    assert open_fds() <= fds
+    await wait_for_fds_closed(fds)
 
 
 async def test_module_sink_follows_a_parameter_whose_storage_was_replaced() -> None:
