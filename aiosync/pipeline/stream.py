@@ -38,6 +38,7 @@ from aiosync.pipeline.ledger import BufferLedger
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncProgress, SyncReport
 from aiosync.planes.base import SenderPlane
+from aiosync.runtime import unwrap_group
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,10 @@ class StreamRun:
         """
         try:
             await step(link, *args)  # type: ignore[misc]
-        except AiosyncError as exc:
+        except BaseException as raised:
+            exc = unwrap_group(raised)  # a link's own stages fail as a group
+            if not isinstance(exc, AiosyncError):
+                raise
             self._link_failed(link, exc)
             if tg is not None and self.vote.hopeless:
                 tg.cancel_scope.cancel()

@@ -1,0 +1,65 @@
+"""An engine process for the fleet tests: ``python -m tests.fleet_engine [options]``.
+
+It serves ``mixed_weights`` shapes (zeros at start) from a private endpoint and prints JSON
+lines: ``ready`` (with the endpoint), ``applying`` before each bucket (with ``--delay``
+seconds of work after it), ``committed`` (with per-tensor digests) after each commit.
+``--extra NAME`` adds a required tensor no trainer sends, so every version is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import anyio
+import torch
+
+from aiosync import ModuleSink, ReceiverConfig, WeightReceiver
+from aiosync.core.layout import TensorSpec
+from aiosync.runtime import run
+from tests.models import digest, mixed_weights
+
+
+def emit(event: str, **fields: object) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+class SlowSink(ModuleSink):
+    """A module sink that reports each bucket and then works for ``delay`` seconds."""
+
+    def __init__(self, model: dict[str, torch.Tensor], delay: float, staged: bool) -> None:
+        super().__init__(model, staged=staged)
+        self.delay = delay
+
+    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        emit("applying", names=[spec.name for spec in specs])
+        super().apply_bucket(bucket, specs)
+        time.sleep(self.delay)  # a slow engine, in the sink's worker thread
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--extra", default=None)
+    parser.add_argument("--staged", action="store_true")
+    args = parser.parse_args()
+    model = {name: torch.zeros(t.shape, dtype=t.dtype) for name, t in mixed_weights().items()}
+    if args.extra:
+        model[args.extra] = torch.zeros(3)
+    sink = SlowSink(model, args.delay, args.staged)
+
+    def committed(version: int) -> None:
+        emit("committed", version=version, digests={n: digest(t) for n, t in model.items()})
+
+    async def serve() -> None:
+        config = ReceiverConfig(stream_timeout=60, session_timeout=60)
+        async with WeightReceiver(sink, config=config, on_commit=committed) as receiver:
+            emit("ready", endpoint=receiver.endpoint)
+            await anyio.sleep_forever()
+
+    run(serve)
+
+
+if __name__ == "__main__":
+    main()
