@@ -13,8 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiosync.errors import AiosyncError, ProtocolError
-from aiosync.layout import (
+from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.layout import (
     ALIGNMENT,
     BucketPlan,
     TensorSpec,
@@ -426,7 +426,7 @@ def test_plan_records_dtype_and_shape() -> None:
     (plan,) = list(plan_buckets([("x", t)], 512))
     (spec,) = plan.specs
     assert spec == TensorSpec("x", "bfloat16", (3, 5), 0, 30, 0)
-    assert plan.items[0].tensor is t
+    assert plan.tensors[0] is t
 
 
 def test_plan_respects_capacity() -> None:
@@ -548,7 +548,7 @@ def test_plan_materialises_async_results() -> None:
     fake = FakeAsync(f32(3))
     (plan,) = list(plan_buckets([("a", fake)], 512))
     assert fake.waited == 1
-    assert type(plan.items[0].tensor) is torch.Tensor
+    assert type(plan.tensors[0]) is torch.Tensor
     assert plan.specs[0].shape == (3,)
 
 
@@ -992,7 +992,7 @@ def test_property_pack_then_view_reproduces_tensors(
 
 @pytest.mark.parametrize(("start", "length"), [(0, 4096), (8, 4088), (3, 1001), (2, 6), (4, 12)])
 def test_copy_bytes_is_exact_for_any_alignment(start: int, length: int) -> None:
-    from aiosync.layout import copy_bytes
+    from aiosync.core.layout import copy_bytes
 
     src = torch.randint(0, 256, (8192,), dtype=torch.uint8)
     dst = torch.zeros(8192, dtype=torch.uint8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import torch
@@ -68,7 +68,7 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ProtocolError(f"unknown dtype {name!r}") from None
 
 
-class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Where one tensor's bytes (or one byte range of it) lie inside a buffer.
 
     ``offset`` is the position in the buffer, ``nbytes`` the bytes stored there and
@@ -144,29 +144,34 @@ def _iter_buckets(
         yield bucket
 
 
-class PackItem(NamedTuple):
-    """One tensor (or one byte range of it) planned into a bucket, with its spec."""
-
-    tensor: torch.Tensor
-    spec: TensorSpec
-
-
 @dataclass
 class BucketPlan:
-    """The tensors of one bucket and how many buffer bytes they use."""
+    """The tensors of one bucket, their specs (in buffer order) and the buffer bytes used.
 
-    items: list[PackItem] = field(default_factory=list)
+    Tensors and specs are kept in two parallel lists rather than as one object per tensor:
+    a version of many small tensors then allocates little that the garbage collector must
+    scan (specs are not tracked by it), which keeps collections, and the pauses they cause
+    on every thread, short.
+    """
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    specs: list[TensorSpec] = field(default_factory=list)
     used: int = 0
-
-    @property
-    def specs(self) -> list[TensorSpec]:
-        """The specs of this bucket's items, in buffer order."""
-        return [item.spec for item in self.items]
 
     @property
     def payload_bytes(self) -> int:
         """Tensor bytes carried (without alignment padding)."""
-        return sum(item.spec.nbytes for item in self.items)
+        return sum(spec.nbytes for spec in self.specs)
+
+    @property
+    def whole_tensors(self) -> int:
+        """Tensors whose last byte is in this bucket (whole ones and final chunks)."""
+        return sum(1 for spec in self.specs if spec.is_last_chunk)
+
+    @property
+    def first_name(self) -> str | None:
+        """The first tensor's name, for error messages."""
+        return self.specs[0].name if self.specs else None
 
 
 MAX_BUCKET_ITEMS = 4096
@@ -201,19 +206,20 @@ def plan_buckets(
         shape = tuple(tensor.shape)
         nbytes = tensor.nbytes
         aligned = -(-nbytes // ALIGNMENT) * ALIGNMENT
-        if plan.items and (plan.used + aligned > capacity or len(plan.items) >= max_items):
+        if plan.specs and (plan.used + aligned > capacity or len(plan.specs) >= max_items):
             yield plan
             plan = BucketPlan()
         if aligned <= capacity:
-            plan.items.append(PackItem(tensor, TensorSpec(name, dtype, shape, plan.used, nbytes)))
+            plan.tensors.append(tensor)
+            plan.specs.append(TensorSpec(name, dtype, shape, plan.used, nbytes))
             plan.used += aligned
             continue
         flat = tensor.resolve_conj().resolve_neg().contiguous()  # one copy at most
         for start in range(0, nbytes, capacity):
             chunk = min(capacity, nbytes - start)
             spec = TensorSpec(name, dtype, shape, 0, chunk, start)
-            yield BucketPlan([PackItem(flat, spec)], calculate_aligned_size(chunk))
-    if plan.items:
+            yield BucketPlan([flat], [spec], calculate_aligned_size(chunk))
+    if plan.specs:
         yield plan
 
 
@@ -262,11 +268,9 @@ def pack_bucket(buffer: torch.Tensor, plan: BucketPlan) -> None:
     if plan.used > buffer.numel():
         raise ValueError(f"bucket needs {plan.used} bytes but the buffer holds {buffer.numel()}")
     base = buffer.data_ptr() if buffer.is_cpu else None
-    for item in plan.items:
-        spec = item.spec
+    for source, spec in zip(plan.tensors, plan.specs, strict=True):
         if spec.nbytes == 0:
             continue
-        source = item.tensor
         if base is not None and source.is_cpu and is_plain(source):
             address_copy(base + spec.offset, source.data_ptr() + spec.start, spec.nbytes)
             continue

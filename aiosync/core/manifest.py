@@ -9,7 +9,7 @@ is pure: no IO, no event loop.
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterable, Mapping
+from collections.abc import Collection, ItemsView, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from aiosync.core.errors import MismatchError
 from aiosync.core.layout import ALIGNMENT, calculate_aligned_size, dtype_name
 
 
-class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One manifest entry: a tensor's name, dtype, shape and the chunks it travels in."""
 
     name: str
@@ -59,18 +59,17 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def visible_pairs(source: Any) -> list[tuple[str, Any]] | None:
+def visible_pairs(source: Any) -> Collection[tuple[str, Any]] | None:
     """The (name, tensor) pairs of ``source`` when they can be read without consuming it.
 
-    Mappings, their ``.items()`` views, lists and tuples of pairs can be read twice; a
-    generator or any other iterator cannot, and gives None (no manifest is built from it).
+    Mappings, their ``.items()`` views, lists and tuples of pairs can be read twice (they
+    are returned as they are, not copied); a generator or any other iterator cannot, and
+    gives None (no manifest is built from it).
     """
     if isinstance(source, Mapping):
-        return list(source.items())
-    if isinstance(source, ItemsView):
-        return list(source)
-    if isinstance(source, list | tuple):
-        return list(source)
+        return source.items()
+    if isinstance(source, ItemsView | list | tuple):
+        return source
     return None
 
 

@@ -100,7 +100,7 @@ class Begin(msgspec.Struct, frozen=True, tag="begin"):
     manifest: list[TensorMeta] | None = None
 
 
-class Slot(msgspec.Struct, frozen=True, array_like=True):
+class Slot(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Where manifest entry ``entry``'s bytes (or one range of them) lie in a bucket."""
 
     entry: int

@@ -243,17 +243,17 @@ class StreamRun:
         try:
             self.plane.pack(index, plan)
         except Exception as exc:
-            names = ", ".join(item.spec.name for item in plan.items[:3])
+            names = ", ".join(spec.name for spec in plan.specs[:3])
             raise MismatchError(
                 f"cannot pack ({names}): {exc}",
                 version=self.version,
-                tensor=plan.items[0].spec.name if plan.items else None,
+                tensor=plan.first_name,
             ) from exc
         self.sent_buckets += 1
-        self.sent_tensors += sum(1 for item in plan.items if item.spec.is_last_chunk)
+        self.sent_tensors += plan.whole_tensors
         seq = self.sent_buckets
         if self.manifest is not None:
-            slots = [self._slot(item.spec) for item in plan.items]
+            slots = [self._slot(spec) for spec in plan.specs]
             bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
         else:
             bucket = Bucket(self.version, seq, index, plan.used, specs=plan.specs)
@@ -292,7 +292,7 @@ class StreamRun:
     ) -> None:
         async with outbox, inflight:
             async for packed in outbox:
-                tensor = packed.plan.items[0].spec.name if packed.plan.items else None
+                tensor = packed.plan.first_name
                 if link.window is not None:
                     with anyio.move_on_after(self.timeout) as scope:
                         await link.window.acquire()
@@ -311,7 +311,7 @@ class StreamRun:
     ) -> None:
         async with inflight:
             async for packed in inflight:
-                tensor = packed.plan.items[0].spec.name if packed.plan.items else None
+                tensor = packed.plan.first_name
                 ack = await link.recv_ack("ack for a bucket", self.version, tensor)
                 if link.window is not None:
                     link.window.release()
@@ -324,7 +324,7 @@ class StreamRun:
 
     def _bucket_done(self, plan: BucketPlan) -> None:
         done = self.acked
-        tensors = sum(1 for item in plan.items if item.spec.is_last_chunk)
+        tensors = plan.whole_tensors
         self.acked = SyncProgress(
             self.version, done.buckets + 1, done.tensors + tensors, done.bytes + plan.payload_bytes
         )

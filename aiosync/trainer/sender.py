@@ -18,7 +18,7 @@ import inspect
 import logging
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
@@ -314,7 +314,7 @@ class WeightSender:
 
     def _read(
         self, source: Any, given: Manifest | None
-    ) -> tuple[list[tuple[str, Any]] | None, list[TensorMeta] | None]:
+    ) -> tuple[Collection[tuple[str, Any]] | None, list[TensorMeta] | None]:
         """The pairs that can be read without consuming ``source``, and the manifest.
 
         Per-tensor work, so it runs in a worker thread.
