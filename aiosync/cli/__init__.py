@@ -4,10 +4,12 @@ Modules: :mod:`~aiosync.cli.args` (the parser and its checks), :mod:`~aiosync.cl
 (the ``trainer`` and ``engine`` processes), :mod:`~aiosync.cli.spawn` (starting and following
 them), :mod:`~aiosync.cli.demo` and :mod:`~aiosync.cli.bench` (the two user commands).
 
-:func:`main` is the only place where aiosync touches signal handling: in the command's own
-processes SIGTERM unwinds like Ctrl-C does, so ``finally`` blocks and context managers
-remove private directories, shared memory and child processes before the exit (status
-143). A second SIGTERM or SIGINT ends the process at once. The library installs no handlers.
+Signals are handled here only, never by the library: in the command's own processes
+SIGTERM unwinds like Ctrl-C does, so ``finally`` blocks and context managers remove private
+directories, shared memory and child processes before the exit (status 143; 130 for
+SIGINT). :func:`main` arranges that for synchronous code; while a role's event loop runs,
+:func:`aiosync.cli.roles.run_role` turns the signal into cancelling the role instead. A
+second SIGTERM or SIGINT ends the process at once.
 """
 
 from __future__ import annotations
