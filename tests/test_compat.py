@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
+import anyio
 import pytest
+import torch
+import zmq
 
-from aiosync import wire
-from aiosync.compat import nemo_rl
+from aiosync import (
+    AiosyncError,
+    ModuleSink,
+    PeerGoneError,
+    RejectedError,
+    SyncTimeoutError,
+    WeightReceiver,
+)
+from aiosync.compat import errors, nemo_rl
+from aiosync.core import wire
 
 # Parameter names (and defaults) of the reference API, for the functions built so far.
 SIGNATURES: dict[str, list[tuple[str, object]]] = {
@@ -65,6 +78,161 @@ def test_ipc_protocol_values_match_the_wire_tags() -> None:
     assert wire.Ack.__struct_config__.tag == nemo_rl.IPCProtocol.ACK.value
 
 
+# --- errors: NeMo-RL's builtin types, and AiosyncErrors too ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("compat", "builtin"),
+    [
+        (errors.CompatValueError, ValueError),
+        (errors.CompatTypeError, TypeError),
+        (errors.CompatKeyError, KeyError),
+        (errors.CompatAssertionError, AssertionError),
+        (errors.CompatRuntimeError, RuntimeError),
+        (errors.CompatImportError, ImportError),
+        (errors.CompatPeerGoneError, RuntimeError),
+        (errors.CompatRejectedError, RuntimeError),
+        (errors.CompatProtocolError, RuntimeError),
+    ],
+)
+def test_every_compat_error_is_both_kinds(compat: type[Exception], builtin: type) -> None:
+    error = compat("what went wrong")
+    assert isinstance(error, builtin)
+    assert isinstance(error, AiosyncError)
+    assert str(error) == "what went wrong"  # a KeyError would quote it
+
+
+def test_translate_keeps_the_type_and_the_context() -> None:
+    value = errors.translate(ValueError("bad"), "policy (rank 0)")
+    assert type(value) is errors.CompatValueError
+    assert str(value) == "policy (rank 0): bad"
+    assert type(errors.translate(KeyError("k"))) is errors.CompatKeyError
+    assert str(errors.translate(KeyError("k"))) == "k"
+    gone = errors.translate(PeerGoneError("engine closed", peer="ipc://x", version=3))
+    assert isinstance(gone, PeerGoneError)
+    assert isinstance(gone, RuntimeError)
+    assert (gone.peer, gone.version) == ("ipc://x", 3)
+    rejected = errors.translate(RejectedError("no such tensor", tensor="w"))
+    assert isinstance(rejected, RejectedError)
+    assert isinstance(rejected, RuntimeError)
+    assert rejected.tensor == "w"
+    timeout = SyncTimeoutError("no ack")
+    assert errors.translate(timeout) is timeout  # already a TimeoutError
+    other = OSError("disk")
+    assert errors.translate(other) is other  # not a type NeMo-RL raises on purpose
+
+
+def both(error: BaseException, builtin: type) -> None:
+    assert isinstance(error, builtin), type(error).__mro__
+    assert isinstance(error, AiosyncError), type(error).__mro__
+
+
 def test_stream_rejects_a_buffer_too_small_for_two_halves() -> None:
-    with pytest.raises(ValueError, match="at least 1024"):
+    with pytest.raises(ValueError, match="at least 1024") as info:
         nemo_rl.stream_weights_via_ipc_zmq_impl([], 1000, None, 0, "w")  # type: ignore[arg-type]
+    both(info.value, ValueError)
+
+
+def test_stream_refuses_what_is_not_a_socket() -> None:
+    with pytest.raises(TypeError, match="zmq socket") as info:
+        nemo_rl.stream_weights_via_ipc_zmq_impl([], 4096, object(), 0, "w")  # type: ignore[arg-type]
+    both(info.value, TypeError)
+
+
+def test_stream_refuses_a_pair_socket_which_cannot_talk_to_the_engine() -> None:
+    ctx = zmq.Context()
+    pair = ctx.socket(zmq.PAIR)
+    try:
+        with pytest.raises(ValueError, match=r"REQ or DEALER.*PAIR") as info:
+            nemo_rl.stream_weights_via_ipc_zmq_impl([], 4096, pair, 0, "policy")
+        both(info.value, ValueError)
+    finally:
+        pair.close(linger=0)
+        ctx.term()
+
+
+def test_layout_and_handle_helpers_raise_both_kinds() -> None:
+    with pytest.raises(ValueError, match="negative") as info:
+        nemo_rl.calculate_aligned_size(-1)
+    both(info.value, ValueError)
+    with pytest.raises(ValueError, match="positive") as info:
+        nemo_rl.iter_named_tensor_buckets([], 0)  # at the call, not on first next()
+    both(info.value, ValueError)
+    buckets = nemo_rl.iter_named_tensor_buckets([("w", "not a tensor")], 1024)  # type: ignore[list-item]
+    with pytest.raises(TypeError) as info:
+        list(buckets)
+    both(info.value, TypeError)
+    with pytest.raises(ValueError, match="CUDA") as info:
+        nemo_rl.get_handle_from_tensor(torch.zeros(2))
+    both(info.value, ValueError)
+
+
+def test_bucket_helpers_still_bucket() -> None:
+    pairs = [(f"t{i}", torch.zeros(64, dtype=torch.uint8)) for i in range(5)]
+    buckets = list(nemo_rl.iter_named_tensor_buckets(pairs, 128))
+    assert [[name for name, _ in b] for b in buckets] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
+    assert nemo_rl.calculate_aligned_size(513) == 1024
+
+
+# --- the stream: what NeMo-RL prints, and its error types ---------------------------------
+
+
+def dealer(endpoint: str) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    return ctx, sock
+
+
+async def test_stream_prints_what_nemo_rl_prints_and_maps_refusals(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trainer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    engine = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    async with WeightReceiver(ModuleSink(engine)) as receiver:
+        ctx, sock = dealer(receiver.endpoint)
+        try:
+            for rank in (0, 1):
+                await anyio.to_thread.run_sync(
+                    nemo_rl.stream_weights_via_ipc_zmq_impl,
+                    trainer.named_parameters(),
+                    4096,
+                    sock,
+                    rank,
+                    "policy",
+                )
+            out = capsys.readouterr().out
+            assert re.fullmatch(r"policy: Packed \d+ groups of tensors\n", out), out  # rank 0 only
+            bad = [("0.weight", torch.ones(2, 2))]
+            with pytest.raises(RuntimeError, match=r"policy \(rank 3\).*0\.weight") as info:
+                await anyio.to_thread.run_sync(
+                    nemo_rl.stream_weights_via_ipc_zmq_impl, bad, 4096, sock, 3, "policy"
+                )
+            both(info.value, RuntimeError)
+            assert isinstance(info.value, AiosyncError)
+            assert info.value.tensor == "0.weight"
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+    assert receiver.current_version == 1
+
+
+async def test_stream_with_no_engine_is_a_builtin_error_naming_the_worker(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(nemo_rl.TIMEOUT_ENV, "1")
+    ctx, sock = dealer(f"ipc://{tmp_path / 'nobody.sock'}")
+    try:
+        with pytest.raises(AiosyncError, match=r"policy \(rank 2\)") as info:
+            await anyio.to_thread.run_sync(
+                nemo_rl.stream_weights_via_ipc_zmq_impl,
+                [("w", torch.zeros(4))],
+                4096,
+                sock,
+                2,
+                "policy",
+            )
+        assert isinstance(info.value, RuntimeError | TimeoutError), type(info.value).__mro__
+    finally:
+        sock.close(linger=0)
+        ctx.term()

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from aiosync import policy
+from aiosync import AiosyncError
+from aiosync.compat import policy
 
 # --------------------------------------------------------------------------------------
 # resolve_policy_worker_cls
@@ -26,8 +27,9 @@ def test_worker_cls_unchanged_without_quant_cfg(config: dict[str, Any]) -> None:
 
 
 def test_worker_cls_without_a_registered_counterpart_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"pkg\.workers\.DTensorPolicyWorker.*OVERRIDES"):
+    with pytest.raises(ValueError, match=r"pkg\.workers\.DTensorPolicyWorker.*OVERRIDES") as info:
         policy.resolve_policy_worker_cls(DEFAULT, {"quant_cfg": {"algorithm": "fp8"}})
+    assert isinstance(info.value, AiosyncError)
 
 
 def test_nemo_rl_workers_map_to_their_quantized_workers() -> None:
@@ -172,6 +174,7 @@ def test_model_class_missing_transformers(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ImportError, match=r"pip install 'aiosync\[hf\]'") as info:
         policy.resolve_model_class("org/x")
     assert isinstance(info.value.__cause__, ImportError)
+    assert isinstance(info.value, AiosyncError)
 
 
 # --------------------------------------------------------------------------------------
@@ -378,7 +381,7 @@ def test_configure_dynamo_cache_missing_attribute(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "torch._inductor.config", _NoSuchSetting("cfg"))
-    with caplog.at_level(logging.DEBUG, logger="aiosync.policy"):
+    with caplog.at_level(logging.DEBUG, logger="aiosync.compat.policy"):
         policy.configure_dynamo_cache()
     assert any("autotune_local_cache" in r.getMessage() for r in caplog.records)
     assert all(r.levelno == logging.DEBUG for r in caplog.records)
@@ -388,7 +391,7 @@ def test_configure_dynamo_cache_missing_module(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "torch._inductor.config", None)
-    with caplog.at_level(logging.DEBUG, logger="aiosync.policy"):
+    with caplog.at_level(logging.DEBUG, logger="aiosync.compat.policy"):
         policy.configure_dynamo_cache()
     assert any("autotune_local_cache" in r.getMessage() for r in caplog.records)
 
@@ -507,3 +510,11 @@ def test_megatron_dir_expands_user(ckpt_env: pytest.MonkeyPatch, tmp_path: Any) 
     )
     ckpt_env.setenv("NRL_MEGATRON_CHECKPOINT_DIR", " ~/mcore ")
     assert policy.get_megatron_checkpoint_dir() == str(tmp_path / "home" / "mcore")
+
+
+def test_megatron_dir_is_announced_as_nemo_rl_does(
+    ckpt_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt_env.setenv("NRL_MEGATRON_CHECKPOINT_DIR", "/shared/mcore")
+    assert policy.get_megatron_checkpoint_dir() == "/shared/mcore"
+    assert capsys.readouterr().out == "Using default megatron checkpoint dir: /shared/mcore\n"

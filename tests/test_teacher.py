@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from aiosync import teacher
-from aiosync.errors import AiosyncError
-from aiosync.runtime import child_env
-from aiosync.teacher import (
+from aiosync.compat import teacher
+from aiosync.compat.teacher import (
     SHM_HANDLE_TAG,
     aggregate_per_sample_handles,
     ensure_teacher_ipc_buffer,
     open_teacher_ipc_buffer,
     release_teacher_ipc_buffer,
 )
+from aiosync.core.errors import AiosyncError
+from aiosync.runtime import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
@@ -229,16 +229,18 @@ def test_open_rejects_malformed_handles(mutate: Any, buffers: list[torch.Tensor]
 
 
 def test_rejects_bad_dims_and_devices() -> None:
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="positive") as info:
         ensure(None, None, (0, 1, 1, 1))
-    with pytest.raises(ValueError, match="cuda or cpu"):
+    assert isinstance(info.value, AiosyncError)
+    with pytest.raises(ValueError, match="cuda or cpu") as info:
         ensure(None, None, (1, 1, 1, 1), device=torch.device("meta"))
+    assert isinstance(info.value, AiosyncError)
 
 
 CHILD_CPU = """
 import json, sys
 import torch
-from aiosync.teacher import open_teacher_ipc_buffer
+from aiosync.compat.teacher import open_teacher_ipc_buffer
 buf = open_teacher_ipc_buffer(json.loads(sys.argv[1]))
 assert buf.shape == (2, 3, 4, 5) and buf.dtype == torch.float32, (buf.shape, buf.dtype)
 want = torch.arange(3 * 4 * 5, dtype=torch.float32).view(3, 4, 5)
@@ -295,8 +297,8 @@ def test_cuda_alloc_reuse_grow() -> None:
 CHILD_CUDA = """
 import json, sys
 import torch
-from aiosync.memory import ipc_handle_from_plain
-from aiosync.teacher import open_teacher_ipc_buffer
+from aiosync.planes.cuda_ipc import ipc_handle_from_plain
+from aiosync.compat.teacher import open_teacher_ipc_buffer
 handle = ipc_handle_from_plain(json.loads(sys.argv[1]))
 buf = open_teacher_ipc_buffer(handle, device_id=0)
 assert buf.is_cuda and buf.shape == (2, 3, 4, 5), (buf.device, buf.shape)
@@ -312,7 +314,7 @@ print("child ok")
 @pytest.mark.gpu
 @needs_cuda
 def test_cross_process_cuda_ipc() -> None:
-    from aiosync.memory import ipc_handle_to_plain
+    from aiosync.planes.cuda_ipc import ipc_handle_to_plain
 
     dev = torch.device("cuda", 0)
     storage, handle = ensure(None, None, (2, 3, 4, 5), device=dev)
@@ -388,24 +390,38 @@ def test_aggregate_empty() -> None:
     assert aggregate_per_sample_handles([]) == []
 
 
-def test_aggregate_length_mismatch_names_rank() -> None:
+def test_aggregate_length_mismatch_is_an_assertion_naming_the_rank() -> None:
+    """NeMo-RL asserts that replicas agree; the error is also an AiosyncError."""
     results = worker_results(2)
     results[-1]["per_sample_handles"] = results[-1]["per_sample_handles"][:-1]
-    with pytest.raises(ValueError, match="dp_rank 1"):
+    with pytest.raises(AssertionError, match="dp_rank 1") as info:
         aggregate_per_sample_handles(results)
+    assert isinstance(info.value, AiosyncError)
 
 
-def test_aggregate_replica_count_mismatch_names_rank() -> None:
+def test_aggregate_replica_count_mismatch_is_an_assertion_naming_the_rank() -> None:
     results = worker_results(2)[:-1]  # rank 1 lost a replica
-    with pytest.raises(ValueError, match="dp_rank 1"):
+    with pytest.raises(AssertionError, match="dp_rank 1") as info:
         aggregate_per_sample_handles(results)
+    assert isinstance(info.value, AiosyncError)
 
 
-def test_aggregate_rejects_malformed_results() -> None:
-    with pytest.raises(ValueError, match="worker result 0"):
+def test_aggregate_missing_key_is_a_key_error() -> None:
+    with pytest.raises(KeyError) as info:
         aggregate_per_sample_handles([{"per_sample_handles": []}])
-    with pytest.raises(ValueError, match="non-integer"):
+    assert isinstance(info.value, AiosyncError)
+    assert str(info.value) == "worker result 0 lacks 'dp_rank'"  # plain text, not quoted
+    with pytest.raises(KeyError, match="per_sample_handles"):
+        aggregate_per_sample_handles([{"dp_rank": 0, "per_sample_handles": []}, {"dp_rank": 1}])
+
+
+def test_aggregate_wrong_types_are_type_errors() -> None:
+    with pytest.raises(TypeError, match="non-integer") as info:
         aggregate_per_sample_handles([{"dp_rank": "0", "per_sample_handles": []}])
+    assert isinstance(info.value, AiosyncError)
+    with pytest.raises(TypeError, match="not a mapping") as info:
+        aggregate_per_sample_handles([["dp_rank", 0]])  # type: ignore[list-item]
+    assert isinstance(info.value, AiosyncError)
 
 
 # --------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Each function keeps the reference's name, signature and semantics and runs on aiosync's own
 machinery; the blocking ones drive the async pipeline on a private event loop. The wire is
 aiosync's (typed msgpack messages), so the peer of :func:`stream_weights_via_ipc_zmq_impl`
-is an aiosync :class:`~aiosync.receiver.WeightReceiver`, not an engine that unpacks objects.
+is an aiosync :class:`~aiosync.WeightReceiver`, not an engine that unpacks objects.
 
 Errors keep the builtin types NeMo-RL raises (``ValueError``, ``TypeError``, ``KeyError``,
 ``AssertionError``, ``RuntimeError``, ``TimeoutError``) and are all
@@ -175,9 +175,10 @@ def stream_weights_via_ipc_zmq_impl(
     As in NeMo-RL, rank 0 prints how many groups (buckets) it packed. Errors keep NeMo-RL's
     types and are all :class:`~aiosync.AiosyncError` too, naming the worker and rank, and
     the tensor where one is involved: ``TimeoutError`` when the engine does not answer in
-    time, ``RuntimeError`` when it goes away, refuses a bucket or a ZMQ call fails,
-    ``ValueError`` for a bad argument or a tensor the engine's model cannot take, and
-    ``TypeError`` for an item that is not a tensor.
+    time, ``RuntimeError`` when it goes away, refuses a tensor (a name or shape its model
+    lacks, say) or a ZMQ call fails, ``ValueError`` for a bad argument or a tensor that
+    cannot be sent at all (on the meta device, say), and ``TypeError`` for an item that is
+    not a tensor.
     """
     context = f"{worker_name} (rank {rank})"
     if buffer_size_bytes < 2 * ALIGNMENT:
