@@ -89,8 +89,7 @@ def build_manifest(pairs: Iterable[tuple[str, Any]], capacity: int) -> list[Tens
     return entries
 
 
-@dataclass(frozen=True)
-class Expected:
+class Expected(msgspec.Struct, frozen=True, gc=False):
     """What an engine takes under one name: dtype, shape, and whether it may come in chunks."""
 
     dtype: str

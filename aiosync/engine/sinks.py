@@ -131,7 +131,9 @@ class ModuleSink:
         cached = self._bytes.get(name)
         if cached is None or cached[0] != address:
             plain = is_plain(dst)
-            cached = (address, tensor_bytes(dst.detach()) if plain else None, plain and dst.is_cpu)
+            by_address = plain and dst.is_cpu  # then no view is kept: fewer objects to scan
+            view = tensor_bytes(dst.detach()) if plain and not by_address else None
+            cached = (address, view, by_address)
             self._bytes[name] = cached
         return dst, address, cached[1], cached[2]
 
@@ -145,6 +147,8 @@ class ModuleSink:
                     address_copy(address + spec.start, base + spec.offset, spec.nbytes)
                     continue
                 raw = spec_bytes(bucket, spec)
+                if dst_bytes is None and by_address:  # a CPU target fed from another device
+                    dst_bytes = tensor_bytes(dst.detach())
                 if dst_bytes is None:  # a non-contiguous target: whole tensors only (checked)
                     dst.copy_(bytes_as_tensor(raw, spec), non_blocking=True)
                 elif spec.is_whole:
