@@ -176,9 +176,10 @@ class ZmqChannel:
 class RouterPeer:
     """One peer of a :class:`ZmqListener`: replies go out through the shared ROUTER."""
 
-    def __init__(self, listener: ZmqListener, identity: bytes) -> None:
+    def __init__(self, listener: ZmqListener, identity: bytes, *, delimited: bool) -> None:
         self._listener = listener
         self.identity = identity
+        self._envelope = [identity, b""] if delimited else [identity]
         self._peer = f"peer-{identity.hex()}"
         self._tx, self._rx = anyio.create_memory_object_stream[bytes](PEER_QUEUE)
         self._lost = anyio.Event()
@@ -210,7 +211,7 @@ class RouterPeer:
     async def send(self, payload: bytes) -> None:
         """Reply to the peer; :class:`PeerGoneError` if it has disconnected."""
         try:
-            await self._listener.send_to(self.identity, payload)
+            await self._listener.send_to(self._envelope, payload)
         except PeerGoneError:
             self._lost.set()
             raise
@@ -275,23 +276,25 @@ class ZmqListener:
         with map_exceptions(self._errors):
             while True:
                 frames = await self._socket.recv_multipart()
-                if len(frames) != 2:
+                # [identity, payload] from a DEALER; [identity, b"", payload] from a REQ
+                delimited = len(frames) == 3 and not frames[1]
+                if len(frames) != 2 and not delimited:
                     log.warning("dropping a message of %d frames", len(frames))
                     continue
-                identity, payload = bytes(frames[0]), bytes(frames[1])
+                identity, payload = bytes(frames[0]), bytes(frames[-1])
                 known = self._peers.get(identity)
                 if known is not None:
                     known.deliver(payload)
                     continue
-                peer = RouterPeer(self, identity)
+                peer = RouterPeer(self, identity, delimited=delimited)
                 self._peers[identity] = peer
                 peer.deliver(payload)
                 return peer
 
-    async def send_to(self, identity: bytes, payload: bytes) -> None:
-        """Send to one peer by routing identity."""
+    async def send_to(self, envelope: list[bytes], payload: bytes) -> None:
+        """Send to one peer along its envelope (routing id, and the delimiter of a REQ)."""
         with map_exceptions(self._errors):
-            await self._socket.send_multipart([identity, payload])
+            await self._socket.send_multipart([*envelope, payload])
 
     def forget(self, identity: bytes) -> None:
         """Drop a peer's channel (its next message starts a new one)."""

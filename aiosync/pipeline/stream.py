@@ -139,8 +139,10 @@ class StreamRun:
     def _link_failed(self, link: EngineLink, exc: AiosyncError) -> None:
         log.warning("engine %s failed version %d: %s", link.name, self.version, exc)
         link.session.failed()
-        if exc.peer is None:
-            exc = type(exc)(exc.reason, peer=link.name, version=self.version, tensor=exc.tensor)
+        if exc.peer is None or exc.version is None:  # say which engine and which version
+            exc = type(exc)(
+                exc.reason, peer=exc.peer or link.name, version=self.version, tensor=exc.tensor
+            )
         if link.name in self.vote.prepared:  # the decision was commit: it is just late
             self._outcomes[link.name] = self._outcome(link, "lost after prepare", exc)
         else:

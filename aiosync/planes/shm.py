@@ -64,24 +64,20 @@ class ShmSegment:
 
     @classmethod
     def create(cls, size: int) -> ShmSegment:
-        """Create a new segment of ``size`` bytes, readable and writable by this user only."""
+        """Create a named segment of ``size`` bytes, readable and writable by this user only."""
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
         sweep_stale_segments()
         name = f"{SHM_PREFIX}{pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
-        except OSError:
-            os.close(fd)
-            (SHM_DIR / name).unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        try:
+            _reserve(fd, size)
             return cls(name, size, owner=True)
         except BaseException:
             (SHM_DIR / name).unlink(missing_ok=True)
             raise
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, handle: ShmHandle) -> ShmSegment:
@@ -122,11 +118,30 @@ class ShmSegment:
         self._tensor = None
 
 
+def _reserve(fd: int, size: int) -> None:
+    """Size a new segment and take its memory now, so a full ``/dev/shm`` fails here.
+
+    ``ftruncate`` alone leaves the file sparse: on a small ``/dev/shm`` (64 MiB in a
+    default container) the first write past what is free would kill the process (SIGBUS).
+    """
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = os.statvfs(SHM_DIR)
+        raise AiosyncError(
+            f"cannot reserve {size} bytes of shared memory ({exc.strerror}); "
+            f"{SHM_DIR} has {free.f_bavail * free.f_frsize} bytes free"
+        ) from None
+
+
 class ShmSenderPlane:
     """A ring of shared-memory segments the trainer packs into; engines map them by name.
 
-    The names stay in ``/dev/shm`` while the plane is open, so engines may join between
-    versions; :meth:`close` unlinks them.
+    The names stay in ``/dev/shm`` while the plane is open, so engines may join at any time
+    between versions; :meth:`close` unlinks them. Those of a trainer killed before it could
+    are removed by the next plane made or closed on this machine
+    (:func:`sweep_stale_segments`).
     """
 
     def __init__(self, count: int, capacity: int) -> None:
@@ -185,7 +200,12 @@ class ShmReceiverPlane:
         return self._segments[index].tensor[:used]
 
     def close(self) -> None:
-        """Drop this engine's mappings (the sender owns the names)."""
+        """Drop this engine's mappings (the sender owns the names).
+
+        A session ends this way also when its trainer died; the names such a trainer left
+        are swept here.
+        """
         for segment in self._segments:
             segment.close()
         self._segments.clear()
+        sweep_stale_segments()
