@@ -71,11 +71,26 @@ def test_demo_verifies_every_version_and_reports_json() -> None:
 
 
 def test_bench_prints_one_json_object_last_with_every_figure() -> None:
-    out = aiosync("bench", "--device", "cpu", "--size-mb", "16", "--repeats", "1", "--json")
+    out = aiosync(
+        "bench", "--device", "cpu", "--size-mb", "16", "--repeats", "1", "--json",
+        "--engines", "2", "--per-tensor", "3000",
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = last_json(out.stdout)
     for key in ("bytes", "seconds", "GBps", "memcpy_GBps", "trainer_seconds", "engine_seconds"):
         assert result[key] > 0, key
+    assert result["one_engine"]["engines"] == 1
+    assert result["one_engine"]["ratio_to_floor"] > 0
+    many = result["many_engines"]
+    assert many["engines"] == 2
+    assert many["bytes"] == result["bytes"]
+    assert many["ratio_to_one_engine"] > 0
+    per_tensor = result["per_tensor"]
+    assert per_tensor["tensors"] == 3000
+    assert per_tensor["us_per_tensor"] > 0
+    for case in (result["one_engine"], many, per_tensor):
+        assert case["trainer_stall_ms"] > 0
+        assert case["engine_stall_ms"] > 0
     for baseline in ("torch_save_zmq", "safetensors_shm"):
         assert result[baseline]["verified"] is True
         assert result[baseline]["seconds"] > 0
@@ -184,6 +199,11 @@ def test_device_auto_resolves_to_a_concrete_device() -> None:
     assert resolve_device("cpu") == "cpu"
     for argv in (["demo"], ["bench"], ["engine"], ["trainer", "--endpoint", "ipc:///x"]):
         assert parse(*argv).device == "auto"
+
+
+def test_trainer_takes_several_engines() -> None:
+    args = parse("trainer", "--endpoint", "ipc:///a", "--endpoint", "ipc:///b")
+    assert args.endpoint == ["ipc:///a", "ipc:///b"]
 
 
 # --- the roles -----------------------------------------------------------------------------

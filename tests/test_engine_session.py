@@ -491,11 +491,6 @@ def test_malformed_manifest_is_refused(manifest: list[TensorMeta], text: str) ->
     assert engine.owner is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_manifest_form calls dtype_from_name, whose ProtocolError names no tensor, "
-    "so the refusal of a manifest entry with an unknown dtype does not say which entry",
-)
 def test_manifest_entry_with_an_unknown_dtype_is_named() -> None:
     engine = connected()
     manifest = [TensorMeta("a", "float32", (4,)), TensorMeta("layers.3.w", "float4", (4,))]

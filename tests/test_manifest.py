@@ -330,12 +330,6 @@ def test_expectations_alias_the_same_tensor_under_two_names() -> None:
     assert expect.aliases == {"w2": "w", "view": "w"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="expectations_of keys aliases by (address, device, shape) without strides, so a "
-    "strided view starting at the same address counts as covered by a tensor whose "
-    "elements it mostly does not share",
-)
 def test_expectations_do_not_alias_views_that_share_only_a_start() -> None:
     storage = torch.zeros(16)
     expect = expectations_of({"head": storage[:4], "every4th": storage[::4]}, ["every4th"])

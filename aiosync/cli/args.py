@@ -163,6 +163,13 @@ def _model(parser: argparse.ArgumentParser, *, timeout_help: str) -> None:
     parser.add_argument(
         "--timeout", type=positive_float, default=120.0, metavar="SECONDS", help=timeout_help
     )
+    parser.add_argument(
+        "--tensors",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="stream N one-element tensors instead of the Llama-shaped model (0: Llama)",
+    )
 
 
 def _buffers(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +231,19 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
         "--repeats", type=positive_int, default=3, help="timed versions (after one warm-up)"
     )
     bench.add_argument("--skip-baselines", action="store_true", help="measure aiosync only")
+    bench.add_argument(
+        "--engines",
+        type=positive_int,
+        default=1,
+        help="also stream to this many engine processes at once and compare with one",
+    )
+    bench.add_argument(
+        "--per-tensor",
+        type=non_negative_int,
+        default=100_000,
+        metavar="N",
+        help="also time N one-element tensors, per tensor (0: skip)",
+    )
     _report(bench, "every figure")
 
     trainer = _subparser(
@@ -234,7 +254,10 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
         "weight between versions as a training step would.",
     )
     trainer.add_argument(
-        "--endpoint", required=True, help="the engine's address (ipc:// or tcp://)"
+        "--endpoint",
+        required=True,
+        action="append",
+        help="an engine's address (ipc:// or tcp://); repeat it to feed several engines",
     )
     trainer.add_argument(
         "--versions", type=non_negative_int, default=3, help="versions to send; 0: until stopped"

@@ -19,7 +19,9 @@ def demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     result = run_stream(args, verify=True, show=show)
-    versions = [c["version"] for c in result["committed"] if c["verified"]]
+    versions = [
+        each[0]["version"] for each in result["committed"] if all(c["verified"] for c in each)
+    ]
     ok = (
         result["trainer_rc"] == 0
         and result["engine_rc"] == 0

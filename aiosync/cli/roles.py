@@ -69,30 +69,63 @@ def run_role(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+class LoopWatch:
+    """A 1 ms heartbeat on the event loop, to measure stalls.
+
+    The longest gap between beats is the longest time the loop could not run anything.
+    """
+
+    def __init__(self) -> None:
+        self._longest = 0.0
+
+    async def run(self) -> None:
+        """Beat until cancelled."""
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            self._longest = max(self._longest, now - last)
+            last = now
+
+    def take(self) -> float:
+        """The longest stall, in milliseconds, since the last call."""
+        longest, self._longest = self._longest, 0.0
+        return longest * 1e3
+
+
 def trainer(args: argparse.Namespace) -> int:
-    """Send ``args.versions`` versions (0: until stopped) of a synthetic model."""
+    """Send ``args.versions`` versions (0: until stopped) of a synthetic model to every engine."""
     import torch
 
     from aiosync import SenderConfig, WeightSender
-    from aiosync.bench.model import synthetic_state_dict
+    from aiosync.bench.model import bench_state_dict
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    weights = synthetic_state_dict(args.size_mb * MiB, device=device)
+    weights = bench_state_dict(args.size_mb * MiB, args.tensors, device=device)
     total = sum(t.numel() * t.element_size() for t in weights.values())
     config = SenderConfig(
         buffer_bytes=int(args.buffer_mb * MiB), num_buffers=args.buffers, timeout=args.timeout
     )
     versions = itertools.count() if args.versions == 0 else range(args.versions)
 
+    def training_step() -> None:
+        with torch.no_grad():
+            for tensor in weights.values():
+                tensor.add_(1.0)  # the engine repeats it to verify
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     async def main() -> None:
-        async with WeightSender(args.endpoint, device=device, config=config) as sender:
+        watch = LoopWatch()
+        async with (
+            WeightSender(args.endpoint, device=device, config=config) as sender,
+            asyncio.TaskGroup() as tasks,
+        ):
+            beating = tasks.create_task(watch.run())
             for version in versions:
-                with torch.no_grad():
-                    for tensor in weights.values():
-                        tensor.add_(1.0)  # "a training step": the engine repeats it to verify
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                await asyncio.to_thread(training_step)
+                watch.take()
                 report = await sender.send(
                     weights.items(),
                     version=version,
@@ -100,7 +133,7 @@ def trainer(args: argparse.Namespace) -> int:
                         "progress", version=p.version, bytes=p.bytes, total=total
                     ),
                 )
-                log.info("trainer: sent version %d to %s", version, args.endpoint)
+                log.info("trainer: sent version %d to %s", version, ", ".join(args.endpoint))
                 emit(
                     "synced",
                     version=report.version,
@@ -108,7 +141,10 @@ def trainer(args: argparse.Namespace) -> int:
                     tensors=report.tensors,
                     buckets=report.buckets,
                     seconds=report.seconds,
+                    engines=len(report.committed),
+                    stall_ms=watch.take(),
                 )
+            beating.cancel()
 
     run_role(main)
     return 0
@@ -147,14 +183,15 @@ def engine(args: argparse.Namespace) -> int:
     import torch
 
     from aiosync import ModuleSink, ReceiverConfig, WeightReceiver
-    from aiosync.bench.model import synthetic_state_dict
+    from aiosync.bench.model import bench_state_dict
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    expected = synthetic_state_dict(args.size_mb * MiB, device=device)
+    expected = bench_state_dict(args.size_mb * MiB, args.tensors, device=device)
     model = {name: torch.zeros_like(t) for name, t in expected.items()}
     sink = _TimedSink(ModuleSink(model))
     state = {"verified": -1, "bad": 0}
+    watch = LoopWatch()
 
     def verify(version: int) -> None:
         """Repeat the trainer's step on the expected copy and compare (a worker thread)."""
@@ -168,7 +205,13 @@ def engine(args: argparse.Namespace) -> int:
         state["verified"] = version
         state["bad"] += 0 if ok else 1
         log.info("engine: version %d committed%s", version, " and verified" if ok else ", BAD")
-        emit("committed", version=version, verified=ok, engine_seconds=busy)
+        emit(
+            "committed",
+            version=version,
+            verified=ok,
+            engine_seconds=busy,
+            stall_ms=watch.take(),
+        )
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -179,9 +222,14 @@ def engine(args: argparse.Namespace) -> int:
             loop.call_soon_threadsafe(committed.put_nowait, version)
 
         config = ReceiverConfig(stream_timeout=args.timeout)
-        async with WeightReceiver(sink, args.endpoint, config=config, on_commit=on_commit) as rx:
+        async with (
+            WeightReceiver(sink, args.endpoint, config=config, on_commit=on_commit) as rx,
+            asyncio.TaskGroup() as tasks,
+        ):
+            beating = tasks.create_task(watch.run())
             emit("ready", endpoint=rx.endpoint)
             await _wait_for_versions(committed, rx.endpoint, args.versions, args.timeout)
+            beating.cancel()
 
     run_role(main)
     return 1 if state["bad"] else 0
@@ -207,4 +255,4 @@ async def _wait_for_versions(
 
 ROLES: dict[str, Callable[[argparse.Namespace], int]] = {"trainer": trainer, "engine": engine}
 
-__all__ = ["ROLES", "NoVersionError", "emit", "engine", "trainer"]
+__all__ = ["ROLES", "LoopWatch", "NoVersionError", "emit", "engine", "trainer"]

@@ -1,6 +1,6 @@
-"""The parent side of ``demo`` and ``bench``: start an engine and a trainer, follow them.
+"""The parent side of ``demo`` and ``bench``: start engines and a trainer, follow them.
 
-The two roles run as ``python -m aiosync engine|trainer ...`` child processes that talk over
+The roles run as ``python -m aiosync engine|trainer ...`` child processes that talk over
 an ``ipc://`` socket in a private directory (see :mod:`aiosync.private_dirs`). Their JSON
 lines on stdout drive the progress shown here; their stderr (logging) passes straight
 through. Children still running on the way out, normal or not, are terminated, and the
@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import IO, Any
 
 from aiosync.cli.args import CommandError, MiB
@@ -85,17 +85,20 @@ class Progress:
             sys.stderr.flush()
 
 
-def run_stream(args: argparse.Namespace, *, verify: bool, show: bool) -> dict[str, Any]:
-    """Run one engine and one trainer process; returns per-version figures from both.
+def run_stream(
+    args: argparse.Namespace, *, verify: bool, show: bool, engines: int = 1
+) -> dict[str, Any]:
+    """Run ``engines`` engine processes and one trainer; returns per-version figures.
 
-    ``args`` carries ``size_mb``, ``device`` (already resolved), ``versions``, ``timeout``,
-    ``buffer_mb``, ``buffers`` and ``log_level``, which both children get too.
+    ``args`` carries ``size_mb``, ``tensors``, ``device`` (already resolved), ``versions``,
+    ``timeout``, ``buffer_mb``, ``buffers`` and ``log_level``, which the children get too.
+    ``committed`` lists, per version, what each engine reported (in engine order).
     """
     directory = make_private_dir()
-    endpoint = f"ipc://{directory / 'engine.sock'}"
+    endpoints = [f"ipc://{directory / f'engine-{i}.sock'}" for i in range(engines)]
     common = [
-        "--endpoint", endpoint,
         "--size-mb", str(args.size_mb),
+        "--tensors", str(getattr(args, "tensors", 0)),
         "--device", args.device,
         "--versions", str(args.versions),
         "--timeout", str(args.timeout),
@@ -103,18 +106,25 @@ def run_stream(args: argparse.Namespace, *, verify: bool, show: bool) -> dict[st
     ]  # fmt: skip
     progress = Progress(args.versions, show)
     synced: dict[int, dict[str, Any]] = {}
-    committed: dict[int, dict[str, Any]] = {}
+    committed: dict[int, list[dict[str, Any]]] = {}
+    engine_rcs: list[int] = []
     try:
-        engine_argv = common + (["--verify"] if verify else [])
-        with spawn("engine", engine_argv) as engine:
-            assert engine.stdout is not None
-            engine_events = events(engine.stdout)
-            ready = next(engine_events, None)
-            if ready is None or ready.get("event") != "ready":
-                raise CommandError("the engine process exited before it was ready")
+        with ExitStack() as stack:
+            children = []
+            for endpoint in endpoints:
+                argv = [*common, "--endpoint", endpoint] + (["--verify"] if verify else [])
+                engine = stack.enter_context(spawn("engine", argv))
+                assert engine.stdout is not None
+                engine_events = events(engine.stdout)
+                ready = next(engine_events, None)
+                if ready is None or ready.get("event") != "ready":
+                    raise CommandError("an engine process exited before it was ready")
+                children.append((engine, engine_events))
             trainer_argv = [
                 *common, "--buffer-mb", str(args.buffer_mb), "--buffers", str(args.buffers)
             ]  # fmt: skip
+            for endpoint in endpoints:
+                trainer_argv += ["--endpoint", endpoint]
             with spawn("trainer", trainer_argv) as trainer:
                 assert trainer.stdout is not None
                 for event in events(trainer.stdout):
@@ -128,17 +138,18 @@ def run_stream(args: argparse.Namespace, *, verify: bool, show: bool) -> dict[st
                             f"{event['seconds']:.3f}s ({rate:.2f} GB/s)"
                         )
                 trainer_rc = _wait(trainer, "trainer", args.timeout)
-            if trainer_rc != 0:  # the engine would wait for versions that never come
-                engine.terminate()
-            for event in engine_events:
-                if event["event"] == "committed":
-                    committed[event["version"]] = event
-            engine_rc = _wait(engine, "engine", args.timeout)
+            for engine, engine_events in children:
+                if trainer_rc != 0:  # the engine would wait for versions that never come
+                    engine.terminate()
+                for event in engine_events:
+                    if event["event"] == "committed":
+                        committed.setdefault(event["version"], []).append(event)
+                engine_rcs.append(_wait(engine, "engine", args.timeout))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return {
         "trainer_rc": trainer_rc,
-        "engine_rc": engine_rc,
+        "engine_rc": max(engine_rcs, default=1),
         "synced": [synced[v] for v in sorted(synced)],
         "committed": [committed[v] for v in sorted(committed)],
     }

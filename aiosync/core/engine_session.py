@@ -190,6 +190,7 @@ class EngineSession:
                     self.expectations.check_manifest(begin.manifest)
         except AiosyncError as exc:
             self._record(session, version, exc.reason)
+            session.failed_version = version
             return [Reply(peer, Ack(version, 0, False, error=exc.reason, tensor=exc.tensor))]
         session.stream = StreamState(version, begin.manifest, self.expectations)
         session.phase = Phase.STREAMING

@@ -162,13 +162,13 @@ def expectations_of(targets: Mapping[str, torch.Tensor], required: Iterable[str]
     """Expectations of a name -> tensor map; names sharing storage become aliases."""
     tensors: dict[str, Expected] = {}
     aliases: dict[str, str] = {}
-    first_at: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    first_at: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
     for name, tensor in targets.items():
         plain = tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
         tensors[name] = Expected(dtype_name(tensor.dtype), tuple(tensor.shape), plain)
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
-        key = (tensor.data_ptr(), tensor.device.index or 0, tuple(tensor.shape))
+        key = (tensor.data_ptr(), tensor.device.index or 0, tuple(tensor.shape), tensor.stride())
         owner = first_at.setdefault(key, name)
         if owner != name:
             aliases[name] = owner

@@ -19,7 +19,10 @@ def check_manifest_form(manifest: list[TensorMeta]) -> None:
     """A manifest's own consistency: known dtypes, sane shapes and chunks, unique names."""
     names: set[str] = set()
     for meta in manifest:
-        dtype_from_name(meta.dtype)
+        try:
+            dtype_from_name(meta.dtype)
+        except ProtocolError as exc:
+            raise ProtocolError(exc.reason, tensor=meta.name) from None
         if any(dim < 0 for dim in meta.shape) or meta.chunks < 1:
             raise ProtocolError("negative dimension or chunk count", tensor=meta.name)
         if meta.name in names:

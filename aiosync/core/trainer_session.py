@@ -27,6 +27,7 @@ class LinkSession:
         self.remote_version: int | None = None
         self.version: int | None = None  # the stream open now, if any
         self._pending: deque[int] = deque()
+        self._leftovers = 0  # acks still due for messages of streams that failed
 
     def hello(self, sender: str, plane: PlaneSpec) -> Hello:
         """The session's opening message."""
@@ -68,10 +69,16 @@ class LinkSession:
         return len(self._pending)
 
     def ack(self, ack: Ack) -> Ack | None:
-        """Match an ack to the oldest outstanding message; None for a leftover of a past stream."""
-        if ack.version != self.version:
+        """Match an ack to the oldest outstanding message; None for a leftover of a past stream.
+
+        The engine answers every stream message once and in order, so the acks still due
+        when a stream failed are exactly the next ones to arrive, even when a retry reuses
+        the failed stream's version number.
+        """
+        if self._leftovers:
+            self._leftovers -= 1
             return None
-        if not self._pending or ack.seq != self._pending[0]:
+        if not self._pending or ack.seq != self._pending[0] or ack.version != self.version:
             expected = self._pending[0] if self._pending else None
             raise ProtocolError(
                 f"ack {ack.seq} out of order (expected {expected})",
@@ -87,8 +94,9 @@ class LinkSession:
         self.version = None
 
     def failed(self) -> None:
-        """The stream broke; acks still on their way are ignored from now on."""
+        """The stream broke; the acks still on their way will be skipped."""
         self.version = None
+        self._leftovers += len(self._pending)
         self._pending.clear()
 
 
