@@ -432,14 +432,6 @@ def test_wrap_refuses_sockets_that_cannot_talk_to_an_engine(kind: int) -> None:
         ctx.term()
 
 
-REQ_BUG = (
-    "ZmqListener.accept drops every message of a REQ peer ('dropping a message of 3 frames': "
-    "REQ adds an empty delimiter frame) and send_to never adds the delimiter back, so a "
-    "caller's REQ socket (the NeMo-RL compat path) gets no reply from a WeightReceiver"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=REQ_BUG)
 async def test_wrap_drives_a_callers_req_socket_without_closing_it() -> None:
     async with listening() as listener:
         ctx = zmq.Context()
@@ -449,12 +441,16 @@ async def test_wrap_drives_a_callers_req_socket_without_closing_it() -> None:
             channel = ZmqChannel.wrap(req)
             assert channel.window == 1  # one request awaiting its reply at a time
             assert channel.peer == listener.endpoint
-            await channel.send(b"question")
-            with anyio.fail_after(10):  # generous for one local message; fails fast on the bug
-                peer = await listener.next_peer()
+            await channel.send(b"question")  # REQ adds an empty delimiter frame
+            peer = await listener.next_peer()
             assert await recv(peer) == b"question"
-            await peer.send(b"answer")
+            await peer.send(b"answer")  # and expects it back on the reply
             assert await recv(channel) == b"answer"
+            for i in range(3):  # lock-step, as a REQ must
+                await channel.send(b"q%d" % i)
+                assert await recv(peer) == b"q%d" % i
+                await peer.send(b"a%d" % i)
+                assert await recv(channel) == b"a%d" % i
             await channel.aclose()
             assert not req.closed  # the caller's socket is the caller's
         finally:

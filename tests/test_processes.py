@@ -28,10 +28,10 @@ from aiosync import (
     WeightReceiver,
     WeightSender,
 )
+from aiosync.channels.zmq import private_ipc_endpoint
 from aiosync.compat.nemo_rl import stream_weights_via_ipc_zmq_impl
+from aiosync.core.wire import Abort, decode
 from aiosync.runtime import child_env
-from aiosync.transports.zmq import private_ipc_endpoint
-from aiosync.wire import Abort, decode
 from tests.models import assert_same, mixed_weights, zeros_like
 
 ROOT = Path(__file__).resolve().parent.parent
