@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from aiosync.core.layout import (
+    SMALL_COPY,
     TensorSpec,
     address_copy,
     bytes_as_tensor,
@@ -114,7 +115,7 @@ class ModuleSink:
     def _destination(self, name: str) -> tuple[torch.Tensor, int, torch.Tensor | None, bool]:
         """Where ``name`` is written: tensor, address, flat bytes, whether copied by address.
 
-        Flat bytes exist for plain targets; plain CPU targets are copied by address. Views
+        Flat bytes exist for plain targets; small plain CPU ones are copied by address. Views
         are made once per tensor and address, not once per bucket: for small tensors the
         per-tensor view calls cost more than the copies.
         """
@@ -143,11 +144,11 @@ class ModuleSink:
         with torch.no_grad():
             for spec in specs:
                 dst, address, dst_bytes, by_address = self._destination(spec.name)
-                if base is not None and by_address:
+                if base is not None and by_address and spec.nbytes <= SMALL_COPY:
                     address_copy(address + spec.start, base + spec.offset, spec.nbytes)
                     continue
                 raw = spec_bytes(bucket, spec)
-                if dst_bytes is None and by_address:  # a CPU target fed from another device
+                if dst_bytes is None and by_address:  # large, or fed from another device
                     dst_bytes = tensor_bytes(dst.detach())
                 if dst_bytes is None:  # a non-contiguous target: whole tensors only (checked)
                     dst.copy_(bytes_as_tensor(raw, spec), non_blocking=True)
