@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from aiosync.teacher import (
+from aiosync.compat.teacher import (
     ensure_teacher_ipc_buffer,
     open_teacher_ipc_buffer,
     release_teacher_ipc_buffer,

@@ -109,6 +109,23 @@ def synthetic_state_dict(
     return out
 
 
+def small_state_dict(
+    count: int, device: torch.device | str = "cpu", seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """``count`` one-element fp32 tensors (the per-tensor cost case), deterministic for ``seed``."""
+    values = torch.arange(count, dtype=torch.float32, device=device) + seed
+    return {f"layers.{i}.scale": values[i : i + 1].clone() for i in range(count)}
+
+
+def bench_state_dict(
+    total_bytes: int, tensors: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The model a run streams: ``tensors`` small tensors if given, else Llama shapes."""
+    if tensors:
+        return small_state_dict(tensors, device)
+    return synthetic_state_dict(total_bytes, device=device)
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy view of a contiguous CPU tensor's bytes (the tensor must outlive it)."""
     if t.device.type != "cpu" or not t.is_contiguous():
