@@ -3,7 +3,8 @@
 It serves ``mixed_weights`` shapes (zeros at start) from a private endpoint and prints JSON
 lines: ``ready`` (with the endpoint), ``applying`` before each bucket (with ``--delay``
 seconds of work after it), ``committed`` (with per-tensor digests) after each commit.
-``--extra NAME`` adds a required tensor no trainer sends, so every version is refused.
+``--extra NAME`` adds a required tensor no trainer sends, so every version is refused;
+``--device cuda:N`` holds the model on a GPU (buffers then arrive through CUDA IPC).
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--extra", default=None)
     parser.add_argument("--staged", action="store_true")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    model = {name: torch.zeros(t.shape, dtype=t.dtype) for name, t in mixed_weights().items()}
+    model = {
+        name: torch.zeros(t.shape, dtype=t.dtype, device=args.device)
+        for name, t in mixed_weights().items()
+    }
     if args.extra:
         model[args.extra] = torch.zeros(3)
     sink = SlowSink(model, args.delay, args.staged)

@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from aiosync import SenderConfig, WeightSender
+from aiosync.channels.zmq import private_ipc_endpoint
 from aiosync.compat.nemo_rl import (
     get_handle_from_tensor,
     stream_weights_via_ipc_zmq_impl,
 )
-from aiosync.memory import ipc_handle_to_plain
+from aiosync.planes.cuda_ipc import ipc_handle_to_plain
 from aiosync.runtime import child_env
-from aiosync.transports.zmq import private_ipc_endpoint
 from tests.conftest import requires_cuda
 from tests.models import digest, mixed_weights
+from tests.test_fleet import digests, engine_processes
 from tests.test_processes import next_event, peer
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -28,7 +29,7 @@ only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 CHILD = """
 import json, sys, torch
 from aiosync.compat.nemo_rl import rebuild_cuda_tensor_from_ipc
-from aiosync.memory import ipc_handle_from_plain
+from aiosync.planes.cuda_ipc import ipc_handle_from_plain
 t = rebuild_cuda_tensor_from_ipc(ipc_handle_from_plain(json.loads(sys.argv[1])), 0)
 assert torch.equal(t, torch.arange(t.numel(), dtype=t.dtype, device=t.device)), "content"
 t[0] = -1.0
@@ -105,7 +106,7 @@ async def test_compat_streams_cuda_tensors_to_an_engine_process() -> None:
 def test_demo_on_cuda_verifies_every_version() -> None:
     argv = ["demo", "--device", "cuda:0", "--size-mb", "256", "--versions", "3", "--json"]
     out = subprocess.run(
-        [sys.executable, "-m", "aiosync.cli", *argv],
+        [sys.executable, "-m", "aiosync", *argv],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -115,3 +116,21 @@ def test_demo_on_cuda_verifies_every_version() -> None:
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["ok"]
     assert summary["versions_verified"] == [0, 1, 2]
+
+
+@only_asyncio
+async def test_cuda_fan_out_to_two_engine_processes_bit_exact() -> None:
+    """One ring of CUDA buffers, read by two engine processes through CUDA IPC."""
+    device = ["--device", "cuda:0"]
+    with engine_processes(device, device) as engines:
+        config = SenderConfig(buffer_bytes=64 * 1024, timeout=60)
+        endpoints = [engine.endpoint for engine in engines]
+        async with WeightSender(endpoints, device="cuda:0", config=config) as sender:
+            for version in range(2):
+                weights = {n: t.cuda() for n, t in mixed_weights(seed=version + 3).items()}
+                report = await sender.send(weights, version=version)
+                assert sorted(report.committed) == sorted(endpoints)
+                for engine in engines:
+                    committed = await engine.next_commit()
+                    assert committed["version"] == version
+                    assert committed["digests"] == digests(weights)
