@@ -132,8 +132,8 @@ class EngineSession:
                 return self._protocol_error(
                     peer, f"goodbye for unknown session {message.session!r}"
                 )
-            reply = Reply(peer, Ack(None, GOODBYE_SEQ, True))
-            return [reply, *self._drop(peer, "sender said goodbye in mid-stream")]
+            reply = Reply(peer, Ack(None, GOODBYE_SEQ, True))  # after the plane is released
+            return [*self._drop(peer, "sender said goodbye in mid-stream"), reply]
         return self._protocol_error(peer, f"unexpected {type(message).__name__}")
 
     def undecodable(self, peer: Peer, error: ProtocolError) -> list[Action]:
