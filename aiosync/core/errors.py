@@ -77,6 +77,11 @@ class FleetError(AiosyncError):
         self.failures = failures
 
 
+def breaks_session(exc: AiosyncError) -> bool:
+    """True for errors after which a session cannot be trusted (timeouts, lost peers)."""
+    return isinstance(exc, SyncTimeoutError | PeerGoneError | ProtocolError)
+
+
 ErrorMap = Mapping[type[BaseException], Callable[[BaseException], AiosyncError]]
 
 

@@ -13,7 +13,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
-from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.errors import AiosyncError, FleetError, PeerGoneError, ProtocolError
 from aiosync.core.wire import PROTOCOL_MAX, PROTOCOL_MIN, Ack, Hello, PlaneSpec, Ready
 
 
@@ -147,6 +147,14 @@ class FleetVote:
     def hopeless(self) -> bool:
         """True once no outcome but abort is possible (stop streaming at once)."""
         return (bool(self.failed) and self.policy is Policy.ALL) or not self.live
+
+    def failure(self, version: int) -> AiosyncError:
+        """The error to raise for a version that did not commit: each failed engine's."""
+        if len(self.failed) == 1:
+            return next(iter(self.failed.values()))
+        if not self.failed:
+            return PeerGoneError("every engine was lost before committing", version=version)
+        return FleetError(f"{len(self.failed)} engines failed", dict(self.failed), version=version)
 
     def verdict(self) -> Verdict:
         """Commit once every required engine prepared; abort once that cannot happen."""

@@ -24,11 +24,10 @@ from anyio.streams.memory import MemoryObjectSendStream as Sending
 
 from aiosync.core.errors import (
     AiosyncError,
-    FleetError,
     MismatchError,
     PeerGoneError,
-    ProtocolError,
     SyncTimeoutError,
+    breaks_session,
 )
 from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.manifest import TensorMeta
@@ -45,6 +44,8 @@ log = logging.getLogger(__name__)
 BIG_MESSAGE = 256
 """Manifest entries or bucket items beyond which encoding moves to a worker thread."""
 ABORT_TIMEOUT = 1.0
+BEGIN = -1
+"""The buffer index of the ``begin`` message when it travels in a link's send queue."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,12 @@ class StreamRun:
         """Stream every planned bucket to every engine, then commit under the policy."""
         try:
             begin = Begin(self.version, self.manifest)
-            payload = await self._encode(begin, len(self.manifest or ()))
-            await self._each(self._begin, payload)
+            payload: bytes | None = await self._encode(begin, len(self.manifest or ()))
+            if not self._may_stream_before_accepted():
+                await self._each(self._begin, payload)
+                payload = None
             if self.vote.verdict() is not Verdict.ABORT:
-                await self._stream(plans)
+                await self._stream(plans, payload)
             if self.vote.verdict() is not Verdict.ABORT:
                 await self._each(self._complete)
         except BaseException:
@@ -99,9 +102,20 @@ class StreamRun:
             raise
         if self.vote.verdict() is not Verdict.COMMIT:
             await self._abort("another engine failed")
-            raise self._failure()
+            raise self.vote.failure(self.version)
         await self._each(self._commit, only=list(self.vote.prepared))
         return self._report()
+
+    def _may_stream_before_accepted(self) -> bool:
+        """Whether buckets may follow ``begin`` before the engines accepted it.
+
+        An engine never applies a bucket of a version it has not accepted, so streaming
+        at once costs nothing to an engine that refuses; it saves the round trip and the
+        engine's check of the manifest. But under policy ``all`` with several engines, the
+        others would apply (in place) part of a version that one refusal dooms, so there
+        every engine accepts first.
+        """
+        return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
 
     async def _each(
         self, step: Callable[..., object], *args: object, only: list[str] | None = None
@@ -147,7 +161,7 @@ class StreamRun:
             self._outcomes[link.name] = self._outcome(link, "lost after prepare", exc)
         else:
             self.vote.fail(link.name, exc)
-        if _breaks_session(exc) or link.window is not None:
+        if breaks_session(exc) or link.window is not None:
             link.broken = exc
 
     # --- phases -----------------------------------------------------------------------
@@ -186,7 +200,7 @@ class StreamRun:
 
     # --- streaming --------------------------------------------------------------------
 
-    async def _stream(self, plans: Iterator[BucketPlan]) -> None:
+    async def _stream(self, plans: Iterator[BucketPlan], begin: bytes | None) -> None:
         count = self.plane.count
         free_tx, free_rx = anyio.create_memory_object_stream[int](count)
         for index in range(count):
@@ -197,9 +211,8 @@ class StreamRun:
             for name in self.vote.live:
                 tx, rx = anyio.create_memory_object_stream[_Packed](count)
                 outboxes[name] = tx
-                tg.start_soon(
-                    self._guard, tg, self.links[name], self._link_stage, rx, ledger, free_tx
-                )
+                link = self.links[name]
+                tg.start_soon(self._guard, tg, link, self._link_stage, rx, ledger, free_tx, begin)
             await self._pack_stage(plans, free_rx, ledger, outboxes)
 
     async def _pack_stage(
@@ -273,10 +286,17 @@ class StreamRun:
         outbox: Receiving[_Packed],
         ledger: BufferLedger[BucketPlan],
         free: Sending[int],
+        begin: bytes | None,
     ) -> None:
-        """Send every bucket to one engine and match its acks; gone: release its buffers."""
-        inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count)
+        """Send every bucket to one engine and match its acks; gone: release its buffers.
+
+        With ``begin``, the stream opens here, and the ack of the begin is the first awaited.
+        """
+        inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count + 1)
         try:
+            if begin is not None:
+                link.session.begin(self.version)
+                await self._send_one(link, _Packed(0, BEGIN, begin, BucketPlan()), inflight_tx)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._send_loop, link, outbox, inflight_tx)
                 await self._ack_loop(link, inflight_rx, ledger, free)
@@ -294,15 +314,20 @@ class StreamRun:
     ) -> None:
         async with outbox, inflight:
             async for packed in outbox:
-                tensor = packed.plan.first_name
-                if link.window is not None:
-                    with anyio.move_on_after(self.timeout) as scope:
-                        await link.window.acquire()
-                    if scope.cancelled_caught:
-                        raise link.timeout_error("ack freeing a send slot", self.version, tensor)
-                await link.send(packed.payload, "a bucket", self.version, tensor)
-                link.session.sent(packed.seq)
-                inflight.send_nowait(packed)
+                await self._send_one(link, packed, inflight)
+
+    async def _send_one(
+        self, link: EngineLink, packed: _Packed, inflight: Sending[_Packed]
+    ) -> None:
+        tensor = packed.plan.first_name
+        if link.window is not None:
+            with anyio.move_on_after(self.timeout) as scope:
+                await link.window.acquire()
+            if scope.cancelled_caught:
+                raise link.timeout_error("ack freeing a send slot", self.version, tensor)
+        await link.send(packed.payload, "a bucket", self.version, tensor)
+        link.session.sent(packed.seq)
+        inflight.send_nowait(packed)
 
     async def _ack_loop(
         self,
@@ -318,7 +343,9 @@ class StreamRun:
                 if link.window is not None:
                     link.window.release()
                 if not ack.ok:
-                    raise link.refusal(ack, "bucket")
+                    raise link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
+                if packed.index == BEGIN:
+                    continue
                 plan = ledger.release(packed.index, link.name)
                 if plan is not None:
                     self._bucket_done(plan)
@@ -352,24 +379,12 @@ class StreamRun:
             None if error is None else str(error),
         )
 
-    def _failure(self) -> AiosyncError:
-        failed = self.vote.failed
-        if len(failed) == 1:
-            return next(iter(failed.values()))
-        if not failed:
-            return PeerGoneError("no engine took the version", version=self.version)
-        return FleetError(f"{len(failed)} engines failed", dict(failed), version=self.version)
-
     def _report(self) -> SyncReport:
         outcomes = dict(self._outcomes)
         for name, error in self.vote.failed.items():
             outcomes[name] = self._outcome(self.links[name], "failed", error)
         if not any(o.status == "committed" for o in outcomes.values()):
-            raise (
-                self._failure()
-                if self.vote.failed
-                else PeerGoneError("every engine was lost after preparing", version=self.version)
-            )
+            raise self.vote.failure(self.version)
         done = self.acked
         return SyncReport(
             self.version,
@@ -379,8 +394,3 @@ class StreamRun:
             time.perf_counter() - self._started,
             tuple(outcomes[name] for name in self.links if name in outcomes),
         )
-
-
-def _breaks_session(exc: AiosyncError) -> bool:
-    """True for errors after which a session cannot be trusted (timeouts, lost peers)."""
-    return isinstance(exc, SyncTimeoutError | PeerGoneError | ProtocolError)
