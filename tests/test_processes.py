@@ -104,9 +104,10 @@ async def test_trainer_killed_mid_stream_keeps_engine_version(staged: bool) -> N
             assert (await next_event(trainer))["event"] == "synced"
             assert (await next_event(trainer))["event"] == "stalled"
             with anyio.fail_after(10):
-                while receiver._streaming is None:  # version 1's first bucket is in
+                while receiver.streaming is None:  # version 1's first bucket is in
                     await anyio.sleep(0.02)
             trainer.send_signal(signal.SIGKILL)
+            trainer.wait(timeout=10)  # reaped, as a launcher would: its segments are stale now
             with anyio.fail_after(10):
                 while not receiver.failures:
                     await anyio.sleep(0.05)

@@ -143,6 +143,15 @@ class WeightReceiver:
         return len(self._machine.sessions) if self._machine else 0
 
     @property
+    def streaming(self) -> str | None:
+        """The sender whose version is being received now, if any."""
+        machine = self._machine
+        if machine is None or machine.owner is None:
+            return None
+        session = machine.sessions.get(machine.owner)
+        return session.name if session is not None else None
+
+    @property
     def endpoint(self) -> str:
         """The address senders connect to."""
         if self._listener is None:

@@ -224,12 +224,15 @@ class StreamRun:
     ) -> None:
         try:
             while self.vote.live:
-                with anyio.move_on_after(self.timeout) as scope:
+                # Each engine's acks are awaited with the timeout, and a failed engine lets go
+                # of its buffers; this bound is only a backstop, so it never fires first.
+                with anyio.move_on_after(2 * self.timeout) as scope:
                     index = await free.receive()
                 if scope.cancelled_caught:
                     held = ", ".join(self.vote.live)
                     raise SyncTimeoutError(
-                        f"no buffer freed within {self.timeout:g}s by {held}", version=self.version
+                        f"no buffer freed within {2 * self.timeout:g}s by {held}",
+                        version=self.version,
                     )
                 packed = await anyio.to_thread.run_sync(
                     self._pack_next, plans, index, limiter=self._limiter
