@@ -41,8 +41,6 @@ from aiosync.runtime import unwrap_group
 
 log = logging.getLogger(__name__)
 
-BIG_MESSAGE = 256
-"""Manifest entries or bucket items beyond which encoding moves to a worker thread."""
 ABORT_TIMEOUT = 1.0
 BEGIN = -1
 """The buffer index of the ``begin`` message when it travels in a link's send queue."""
@@ -73,7 +71,7 @@ class StreamRun:
         self.plane = plane
         self.version = version
         self.manifest = manifest
-        self.entries = {meta.name: i for i, meta in enumerate(manifest)} if manifest else {}
+        self._entries: dict[str, int] | None = None  # built in the packing thread
         self.vote = FleetVote(list(self.links), policy)
         self.progress = progress
         self.timeout = min(link.timeout for link in links)
@@ -89,7 +87,7 @@ class StreamRun:
         """Stream every planned bucket to every engine, then commit under the policy."""
         try:
             begin = Begin(self.version, self.manifest)
-            payload: bytes | None = await self._encode(begin, len(self.manifest or ()))
+            payload: bytes | None = await anyio.to_thread.run_sync(encode, begin)
             if not self._may_stream_before_accepted():
                 await self._each(self._begin, payload)
                 payload = None
@@ -213,15 +211,16 @@ class StreamRun:
                 outboxes[name] = tx
                 link = self.links[name]
                 tg.start_soon(self._guard, tg, link, self._link_stage, rx, ledger, free_tx, begin)
-            await self._pack_stage(plans, free_rx, ledger, outboxes)
+            await self._pack_stage(plans, (free_tx, free_rx), ledger, outboxes)
 
     async def _pack_stage(
         self,
         plans: Iterator[BucketPlan],
-        free: Receiving[int],
+        ring: tuple[Sending[int], Receiving[int]],
         ledger: BufferLedger[BucketPlan],
         outboxes: dict[str, Sending[_Packed]],
     ) -> None:
+        freed, free = ring
         try:
             while self.vote.live:
                 # Each engine's acks are awaited with the timeout, and a failed engine lets go
@@ -243,7 +242,12 @@ class StreamRun:
                 live = self.vote.live
                 ledger.hold(index, live, packed.plan)
                 for name in live:
-                    outboxes[name].send_nowait(packed)
+                    try:
+                        outboxes[name].send_nowait(packed)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        # the engine's stage is failing and not yet counted out: let go
+                        if ledger.release(index, name) is not None:
+                            freed.send_nowait(index)
         finally:
             for outbox in outboxes.values():
                 outbox.close()
@@ -267,6 +271,7 @@ class StreamRun:
                 version=self.version,
                 tensor=plan.first_name,
             ) from exc
+        plan.tensors.clear()  # packed: a generator's tensors may be freed now
         self.sent_buckets += 1
         self.sent_tensors += plan.whole_tensors
         seq = self.sent_buckets
@@ -278,7 +283,9 @@ class StreamRun:
         return _Packed(seq, index, encode(bucket), plan)
 
     def _slot(self, spec: TensorSpec) -> Slot:
-        entry = self.entries.get(spec.name)
+        if self._entries is None:
+            self._entries = {meta.name: i for i, meta in enumerate(self.manifest or ())}
+        entry = self._entries.get(spec.name)
         if entry is None:
             raise MismatchError("tensor is not in the version's manifest", tensor=spec.name)
         return Slot(entry, spec.offset, spec.nbytes, spec.start)
@@ -365,35 +372,22 @@ class StreamRun:
 
     # --- outcome ----------------------------------------------------------------------
 
-    async def _encode(self, message: Begin, size: int) -> bytes:
-        if size > BIG_MESSAGE:
-            return await anyio.to_thread.run_sync(encode, message)
-        return encode(message)
-
     def _outcome(
         self, link: EngineLink, status: str, error: AiosyncError | None = None
     ) -> EngineOutcome:
         committed = status == "committed"
+        seconds = time.perf_counter() - self._started if committed else None
+        version = self.version if committed else link.session.remote_version
         return EngineOutcome(
-            link.name,
-            status,
-            self.version if committed else link.session.remote_version,
-            time.perf_counter() - self._started if committed else None,
-            None if error is None else str(error),
+            link.name, status, version, seconds, None if error is None else str(error)
         )
 
     def _report(self) -> SyncReport:
-        outcomes = dict(self._outcomes)
         for name, error in self.vote.failed.items():
-            outcomes[name] = self._outcome(self.links[name], "failed", error)
-        if not any(o.status == "committed" for o in outcomes.values()):
+            self._outcomes[name] = self._outcome(self.links[name], "failed", error)
+        if not any(o.status == "committed" for o in self._outcomes.values()):
             raise self.vote.failure(self.version)
-        done = self.acked
-        return SyncReport(
-            self.version,
-            done.buckets,
-            done.tensors,
-            done.bytes,
-            time.perf_counter() - self._started,
-            tuple(outcomes[name] for name in self.links if name in outcomes),
-        )
+        done, order = self.acked, list(self.links)
+        engines = tuple(sorted(self._outcomes.values(), key=lambda o: order.index(o.engine)))
+        seconds = time.perf_counter() - self._started
+        return SyncReport(self.version, done.buckets, done.tensors, done.bytes, seconds, engines)
