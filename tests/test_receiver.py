@@ -236,15 +236,7 @@ async def test_a_refused_streams_later_bucket_is_never_applied() -> None:
     "where",
     [
         "apply",
-        pytest.param(
-            "commit",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a sink that raises in commit() makes send() raise PeerGoneError "
-                "'every engine was lost after preparing' without the engine's name or "
-                "reason, although the engine answered with a refusal naming both",
-            ),
-        ),
+        "commit",
         "on_commit",
     ],
 )
@@ -451,12 +443,6 @@ async def test_send_raises_aiosync_errors_naming_the_tensor_for_bad_input() -> N
         assert receiver.current_version == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pack failure names the bucket's first tensor (MismatchError.tensor) and at most "
-    "its first three names in the message, not the tensor that failed: a meta tensor after "
-    "three others in one bucket is not named at all",
-)
 async def test_a_meta_tensor_among_others_is_named() -> None:
     pairs = [(f"ok.{i}", torch.ones(2)) for i in range(3)] + [("m", torch.empty(3, device="meta"))]
     async with (

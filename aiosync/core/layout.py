@@ -275,17 +275,27 @@ def pack_bucket(buffer: torch.Tensor, plan: BucketPlan) -> None:
     for source, spec in zip(plan.tensors, plan.specs, strict=True):
         if spec.nbytes == 0:
             continue
-        if base is not None and spec.nbytes <= SMALL_COPY and source.is_cpu and is_plain(source):
-            address_copy(base + spec.offset, source.data_ptr() + spec.start, spec.nbytes)
-            continue
-        dst = buffer[spec.offset : spec.offset + spec.nbytes]
-        if not is_plain(source):  # whole, never chunked: the planner made chunks plain
-            dst.view(source.dtype).view(source.shape).copy_(source)
-            continue
-        src = tensor_bytes(source)
-        if not spec.is_whole:
-            src = src[spec.start : spec.start + spec.nbytes]
-        copy_bytes(dst, src)
+        try:
+            _pack_one(buffer, base, source, spec)
+        except Exception as exc:
+            raise MismatchError(f"cannot pack: {exc}", tensor=spec.name) from exc
+
+
+def _pack_one(
+    buffer: torch.Tensor, base: int | None, source: torch.Tensor, spec: TensorSpec
+) -> None:
+    """Copy one planned tensor (or chunk) into ``buffer``; ``base`` is its CPU address."""
+    if base is not None and spec.nbytes <= SMALL_COPY and source.is_cpu and is_plain(source):
+        address_copy(base + spec.offset, source.data_ptr() + spec.start, spec.nbytes)
+        return
+    dst = buffer[spec.offset : spec.offset + spec.nbytes]
+    if not is_plain(source):  # whole, never chunked: the planner made chunks plain
+        dst.view(source.dtype).view(source.shape).copy_(source)
+        return
+    src = tensor_bytes(source)
+    if not spec.is_whole:
+        src = src[spec.start : spec.start + spec.nbytes]
+    copy_bytes(dst, src)
 
 
 def validate_specs(specs: Sequence[TensorSpec], used: int, capacity: int) -> None:

@@ -127,11 +127,16 @@ class FleetVote:
     def __post_init__(self) -> None:
         self.prepared: list[str] = []
         self.failed: dict[str, AiosyncError] = {}
+        self.lost: dict[str, AiosyncError] = {}  # failed after preparing, once commit was due
 
     def fail(self, engine: str, error: AiosyncError) -> None:
         """``engine`` failed before it prepared (the first error per engine is kept)."""
         if engine not in self.prepared:
             self.failed.setdefault(engine, error)
+
+    def lose(self, engine: str, error: AiosyncError) -> None:
+        """``engine`` failed after it prepared: the decision stands, it is reported late."""
+        self.lost.setdefault(engine, error)
 
     def prepare(self, engine: str) -> None:
         """``engine`` reported the version whole and checked."""
@@ -149,12 +154,13 @@ class FleetVote:
         return (bool(self.failed) and self.policy is Policy.ALL) or not self.live
 
     def failure(self, version: int) -> AiosyncError:
-        """The error to raise for a version that did not commit: each failed engine's."""
-        if len(self.failed) == 1:
-            return next(iter(self.failed.values()))
-        if not self.failed:
-            return PeerGoneError("every engine was lost before committing", version=version)
-        return FleetError(f"{len(self.failed)} engines failed", dict(self.failed), version=version)
+        """The error to raise for a version no engine committed: each failed engine's own."""
+        failed = {**self.failed, **self.lost}
+        if len(failed) == 1:
+            return next(iter(failed.values()))
+        if not failed:
+            return PeerGoneError("no engine committed the version", version=version)
+        return FleetError(f"{len(failed)} engines failed", failed, version=version)
 
     def verdict(self) -> Verdict:
         """Commit once every required engine prepared; abort once that cannot happen."""

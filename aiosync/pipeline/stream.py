@@ -156,6 +156,7 @@ class StreamRun:
                 exc.reason, peer=exc.peer or link.name, version=self.version, tensor=exc.tensor
             )
         if link.name in self.vote.prepared:  # the decision was commit: it is just late
+            self.vote.lose(link.name, exc)
             self._outcomes[link.name] = self._outcome(link, "lost after prepare", exc)
         else:
             self.vote.fail(link.name, exc)
@@ -264,6 +265,8 @@ class StreamRun:
             return None
         try:
             self.plane.pack(index, plan)
+        except MismatchError as exc:  # names the tensor that failed
+            raise MismatchError(exc.reason, version=self.version, tensor=exc.tensor) from exc
         except Exception as exc:
             names = ", ".join(spec.name for spec in plan.specs[:3])
             raise MismatchError(
