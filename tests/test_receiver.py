@@ -509,7 +509,7 @@ async def test_keepalives_hold_an_idle_session_open() -> None:
 
 
 def test_receiver_and_sender_refuse_trio() -> None:
-    pytest.importorskip("trio")  # not a dependency; the thread test below always runs
+    pytest.importorskip("trio")  # in the test extra; skipped only where it is absent
 
     async def main() -> list[str]:
         refused = []
