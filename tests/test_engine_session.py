@@ -26,7 +26,8 @@ from aiosync.core.engine_actions import (
     Reply,
     SyncFailure,
 )
-from aiosync.core.engine_session import MAX_BUFFERS, EngineSession, Phase
+from aiosync.core.engine_session import EngineSession, Phase
+from aiosync.core.limits import Limits
 from aiosync.core.errors import AiosyncError, MismatchError, ProtocolError
 from aiosync.core.layout import TensorSpec, calculate_aligned_size
 from aiosync.core.manifest import Expectations, Expected, TensorMeta
@@ -321,7 +322,9 @@ def test_disjoint_protocol_ranges_abort_naming_both(low: int, high: int) -> None
 
 
 @pytest.mark.parametrize(
-    "sizes", [(), (BUF,) * (MAX_BUFFERS + 1), (BUF, 0), (-1,)], ids=["none", "many", "zero", "neg"]
+    "sizes",
+    [(), (BUF,) * (Limits().max_buffers + 1), (BUF, 0), (-1,)],
+    ids=["none", "many", "zero", "neg"],
 )
 def test_hello_with_no_buffers_too_many_or_empty_ones_is_refused(sizes: tuple[int, ...]) -> None:
     engine = machine()
@@ -335,7 +338,7 @@ def test_hello_with_no_buffers_too_many_or_empty_ones_is_refused(sizes: tuple[in
 
 def test_hello_with_the_most_buffers_allowed() -> None:
     engine = machine()
-    assert isinstance(reply(send(engine, hello(sizes=(512,) * MAX_BUFFERS))), Ready)
+    assert isinstance(reply(send(engine, hello(sizes=(512,) * Limits().max_buffers))), Ready)
 
 
 def test_plane_that_fails_to_open_refuses_the_session() -> None:
@@ -632,14 +635,23 @@ def test_staged_apply_keeps_the_engine_servable() -> None:
     assert engine.servable
 
 
-def test_zero_byte_tensors_and_empty_buckets_count() -> None:
+def test_zero_byte_tensors_count() -> None:
     engine = connected()
     send(engine, Begin(1))
     empty = TensorSpec("e", "float32", (0, 3), 0, 0)
     assert len(applies(send(engine, by_specs(1, 1, [empty, whole("a", 0)])))) == 1
-    assert len(applies(send(engine, Bucket(1, 2, 0, 0)))) == 1
-    finish(engine, 1, 2, 2)
+    finish(engine, 1, 1, 2)
     assert engine.current_version == 1
+
+
+def test_a_bucket_with_no_tensors_is_a_protocol_error_that_applies_nothing() -> None:
+    engine = connected()
+    send(engine, Begin(1))
+    actions = send(engine, Bucket(1, 1, 0, 0))
+    assert is_protocol_abort(actions, PEER, "bucket of 0 tensors")
+    assert applies(actions) == []
+    assert engine.owner is None
+    assert engine.servable
 
 
 @pytest.mark.parametrize(("current", "version"), [(None, 0), (None, 9), (1, 10)])
@@ -938,15 +950,6 @@ def test_complete_with_manifest_tensors_unsent_is_refused() -> None:
     assert "1 manifest tensors unsent" in (ack.error or "")
 
 
-def test_complete_of_a_version_no_longer_newer_is_refused() -> None:
-    engine = connected(current=1)
-    stream(engine, 3, names=("a",))
-    engine.current_version = 4  # committed meanwhile (as another sender's version would be)
-    ack = reply(send(engine, Complete(3, 2, 1, 1)))
-    assert isinstance(ack, Ack)
-    assert "not newer than current 4" in (ack.error or "")
-
-
 @pytest.mark.parametrize("seq", [1, 3, 0])
 def test_complete_out_of_sequence_ends_the_session(seq: int) -> None:
     engine = connected()
@@ -973,11 +976,17 @@ def test_complete_twice_ends_the_session() -> None:
     assert engine.current_version is None
 
 
-def test_empty_version_commits() -> None:
+def test_an_empty_version_commits_only_when_begun_as_empty() -> None:
     engine = connected()
     stream(engine, 1, manifest=[], names=())
-    finish(engine, 1, 0, 0)
-    assert engine.current_version == 1
+    ack = reply(send(engine, Complete(1, 1, 0, 0)))
+    assert isinstance(ack, Ack)
+    assert not ack.ok
+    assert "no tensors" in (ack.error or "")
+    assert engine.current_version is None
+    assert reply(send(engine, Begin(2, [], empty=True))) == Ack(2, 0, True)
+    finish(engine, 2, 0, 0)
+    assert engine.current_version == 2
 
 
 # --------------------------------------------------------------------------------------

@@ -302,6 +302,8 @@ def test_wire_format_is_documented_map() -> None:
             ["empty", "int8", [0, 3], 1],
             ["big", "float32", [1000], 8],
         ],
+        "empty": False,
+        "rebase": False,
     }
     assert msgspec.msgpack.decode(encode(SAMPLES[0])) == {
         "type": "hello",

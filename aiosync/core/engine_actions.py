@@ -69,7 +69,14 @@ class Committed:
     version: int
 
 
-Action = Reply | OpenPlane | ClosePlane | Apply | Discard | CommitSink | Committed
+@dataclass(frozen=True)
+class Note:
+    """Something an operator should see in the log (a rebase of the numbering, say)."""
+
+    text: str
+
+
+Action = Reply | OpenPlane | ClosePlane | Apply | Discard | CommitSink | Committed | Note
 
 
 @dataclass(frozen=True)

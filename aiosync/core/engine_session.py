@@ -20,12 +20,14 @@ from aiosync.core.engine_actions import (
     CommitSink,
     Committed,
     Discard,
+    Note,
     OpenPlane,
     Peer,
     Reply,
     SyncFailure,
 )
 from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.limits import Limits, shorten
 from aiosync.core.manifest import Expectations
 from aiosync.core.stream_state import StreamState, check_manifest_form
 from aiosync.core.wire import (
@@ -44,9 +46,6 @@ from aiosync.core.wire import (
     Ping,
     Ready,
 )
-
-MAX_BUFFERS = 64
-"""Most buffers one session may name (a bound on what a peer makes the engine map)."""
 
 
 class Phase(enum.Enum):
@@ -76,7 +75,8 @@ class EngineSession:
     """All of an engine's protocol state; every method returns the actions to carry out.
 
     ``expectations`` (None: accept any tensor, require none) is what the sink takes;
-    ``staged`` says whether a broken stream leaves the visible weights untouched.
+    ``staged`` says whether a broken stream leaves the visible weights untouched; ``limits``
+    bound what any one peer may make the engine hold, check or remember.
     """
 
     def __init__(
@@ -86,14 +86,16 @@ class EngineSession:
         staged: bool,
         stream_timeout: float,
         session_timeout: float,
+        limits: Limits | None = None,
     ) -> None:
+        self.limits = limits or Limits()
         self.expectations = expectations
         self.staged = staged
         self.stream_timeout = stream_timeout
         self.session_timeout = session_timeout
         self.current_version: int | None = None
         self.servable = True
-        self.failures: list[SyncFailure] = []
+        self.failures: list[SyncFailure] = []  # the last ``max_failures``
         self.protocol_errors = 0
         self.sessions: dict[Peer, _Session] = {}
         self.owner: Peer | None = None  # the peer whose stream may touch the sink
@@ -126,7 +128,8 @@ class EngineSession:
             stream = session.stream
             if stream is None or message.version not in (None, stream.version):
                 return []
-            return self._fail_stream(peer, session, f"sender aborted: {message.reason}")
+            reason = shorten(message.reason, self.limits.max_name_length)
+            return self._fail_stream(peer, session, f"sender aborted: {reason}")
         if isinstance(message, Goodbye):
             if message.session != session.session:
                 return self._protocol_error(
@@ -150,20 +153,33 @@ class EngineSession:
                 f"protocol versions {hello.protocol_min}-{hello.protocol_max} not supported: "
                 f"this engine speaks {PROTOCOL_MIN}-{PROTOCOL_MAX}"
             )
-        elif not sizes or len(sizes) > MAX_BUFFERS or min(sizes) <= 0:
-            problem = f"session refused: {len(sizes)} buffers (1-{MAX_BUFFERS} of positive size)"
+        else:
+            problem = self._plane_problem(peer, sizes)
         if problem is not None:
             self.protocol_errors += 1
             return [*actions, Reply(peer, Abort(problem))]
-        name = f"{hello.sender}@{peer}"
-        self.sessions[peer] = _Session(name, hello.session, sizes, high, now, now)
+        name = f"{shorten(hello.sender, 64)}@{peer}"
+        session_id = shorten(hello.session, self.limits.max_name_length)
+        self.sessions[peer] = _Session(name, session_id, sizes, high, now, now)
         return [*actions, OpenPlane(peer, hello.plane)]
+
+    def _plane_problem(self, peer: Peer, sizes: list[int]) -> str | None:
+        limits = self.limits
+        if not sizes or len(sizes) > limits.max_buffers or min(sizes) <= 0:
+            return f"session refused: {len(sizes)} buffers (1-{limits.max_buffers}, positive)"
+        if sum(sizes) > limits.max_session_bytes:
+            most = limits.max_session_bytes
+            return f"session refused: {sum(sizes)} bytes of buffers (at most {most})"
+        if peer not in self.sessions and len(self.sessions) >= limits.max_sessions:
+            return f"session refused: {limits.max_sessions} sessions are open"
+        return None
 
     def plane_opened(self, peer: Peer) -> list[Action]:
         """The IO layer opened ``peer``'s plane: the session is ready."""
         session = self.sessions[peer]
         session.phase = Phase.IDLE
-        return [Reply(peer, Ready(session.session, session.protocol, self.current_version))]
+        ready = Ready(session.session, session.protocol, self.current_version, self.limits)
+        return [Reply(peer, ready)]
 
     def plane_failed(self, peer: Peer, reason: str) -> list[Action]:
         """The plane could not be opened: the session is refused."""
@@ -183,25 +199,35 @@ class EngineSession:
             error = f"{other} is streaming; try again later"
             return [Reply(peer, Ack(version, 0, False, error=error, busy=True))]
         try:
-            self._require_newer(version)
+            self._check_version(version, begin.rebase)
             if begin.manifest is not None:
-                check_manifest_form(begin.manifest)
+                if len(begin.manifest) > self.limits.max_manifest_tensors:
+                    limit = self.limits.max_manifest_tensors
+                    raise ProtocolError(
+                        f"manifest of {len(begin.manifest)} tensors (at most {limit})"
+                    )
+                check_manifest_form(begin.manifest, self.limits.max_name_length)
                 if self.expectations is not None:
                     self.expectations.check_manifest(begin.manifest)
         except AiosyncError as exc:
             self._record(session, version, exc.reason)
             session.failed_version = version
             return [Reply(peer, Ack(version, 0, False, error=exc.reason, tensor=exc.tensor))]
-        session.stream = StreamState(version, begin.manifest, self.expectations)
+        session.stream = StreamState(version, begin.manifest, self.expectations, begin.empty)
         session.phase = Phase.STREAMING
         session.progress = now
         self.owner = peer
-        return [Reply(peer, Ack(version, 0, True))]
+        note = [Note(f"{session.name} restarts the numbering at {version}")] if begin.rebase else []
+        return [*note, Reply(peer, Ack(version, 0, True))]
 
     def _on_bucket(self, peer: Peer, session: _Session, bucket: Bucket) -> list[Action]:
         stream = session.stream
         if stream is None or stream.version != bucket.version:
             return [Reply(peer, self._no_stream(session, bucket.version, bucket.seq))]
+        count = len(bucket.slots) + len(bucket.specs)
+        if not 0 < count <= self.limits.max_bucket_tensors:
+            limit = self.limits.max_bucket_tensors
+            return self._protocol_error(peer, f"bucket of {count} tensors (1-{limit})")
         if session.phase is not Phase.STREAMING or bucket.seq != stream.next_seq:
             return self._protocol_error(
                 peer, f"bucket seq {bucket.seq} out of order (expected {stream.next_seq})"
@@ -241,7 +267,6 @@ class EngineSession:
             return self._protocol_error(peer, f"complete seq {complete.seq} out of order")
         stream.next_seq += 1
         try:
-            self._require_newer(stream.version)  # another sender may have committed since
             stream.check_whole(complete)
         except AiosyncError as exc:
             return self._refuse(peer, session, complete.seq, exc)
@@ -315,11 +340,18 @@ class EngineSession:
 
     # --- shared steps -----------------------------------------------------------------
 
-    def _require_newer(self, version: int) -> None:
-        if self.current_version is not None and version <= self.current_version:
-            raise ProtocolError(
-                f"version {version} is not newer than current {self.current_version}"
-            )
+    def _check_version(self, version: int, rebase: bool) -> None:
+        """Versions grow, by at most ``max_version_step``, unless a rebase is allowed."""
+        current, limits = self.current_version, self.limits
+        if rebase:
+            if not limits.allow_rebase:
+                raise ProtocolError("this engine does not allow restarting the version numbering")
+            return
+        if current is not None and version <= current:
+            raise ProtocolError(f"version {version} is not newer than current {current}")
+        if current is not None and version - current > limits.max_version_step:
+            step = limits.max_version_step
+            raise ProtocolError(f"version {version} jumps more than {step} past {current}")
 
     def _no_stream(self, session: _Session, version: int, seq: int) -> Ack:
         """The answer to a message of a stream that failed or never opened (nothing applied)."""
@@ -329,6 +361,8 @@ class EngineSession:
 
     def _record(self, session: _Session, version: int | None, reason: str) -> None:
         self.failures.append(SyncFailure(session.name, version, reason))
+        if len(self.failures) > self.limits.max_failures:
+            del self.failures[: -self.limits.max_failures]
 
     def _fail_stream(self, peer: Peer, session: _Session, reason: str) -> list[Action]:
         stream = session.stream

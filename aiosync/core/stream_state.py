@@ -15,10 +15,14 @@ from aiosync.core.manifest import Expectations, TensorMeta, missing_error
 from aiosync.core.wire import Bucket, Complete
 
 
-def check_manifest_form(manifest: list[TensorMeta]) -> None:
-    """A manifest's own consistency: known dtypes, sane shapes and chunks, unique names."""
+def check_manifest_form(manifest: list[TensorMeta], max_name_length: int) -> None:
+    """A manifest's own consistency: known dtypes, sane shapes, chunks and names, unique."""
     names: set[str] = set()
     for meta in manifest:
+        if len(meta.name) > max_name_length:
+            raise ProtocolError(
+                f"tensor name of {len(meta.name)} characters", tensor=meta.name[:64]
+            )
         try:
             dtype_from_name(meta.dtype)
         except ProtocolError as exc:
@@ -37,6 +41,7 @@ class StreamState:
     version: int
     manifest: list[TensorMeta] | None
     expectations: Expectations | None
+    empty: bool = False  # the sender said the version has no tensors
     next_seq: int = 1
     buckets: int = 0
     tensors: int = 0
@@ -113,6 +118,8 @@ class StreamState:
                 f"sender counted {complete.buckets} buckets / {complete.tensors} tensors, "
                 f"engine applied {self.buckets} / {self.tensors}"
             )
+        if self.tensors == 0 and not self.empty:
+            raise ProtocolError("a version with no tensors commits only when begun as empty")
         if self.manifest is not None and self.tensors != len(self.manifest):
             raise ProtocolError(f"{len(self.manifest) - self.tensors} manifest tensors unsent")
         if self.expectations is not None:

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from aiosync.core.errors import AiosyncError, FleetError, PeerGoneError, ProtocolError
+from aiosync.core.limits import Limits
 from aiosync.core.wire import PROTOCOL_MAX, PROTOCOL_MIN, Ack, Hello, PlaneSpec, Ready
 
 
@@ -25,6 +26,7 @@ class LinkSession:
         self.session = session
         self.protocol: int | None = None
         self.remote_version: int | None = None
+        self.limits = Limits()  # the engine's, from its ready
         self.version: int | None = None  # the stream open now, if any
         self._pending: deque[int] = deque()
         self._leftovers = 0  # acks still due for messages of streams that failed
@@ -45,6 +47,7 @@ class LinkSession:
             )
         self.protocol = ready.protocol
         self.remote_version = ready.version
+        self.limits = ready.limits
 
     def begin(self, version: int) -> None:
         """Open the stream of ``version``; it must be newer than the engine's."""

@@ -21,6 +21,7 @@ import msgspec
 
 from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec
+from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 
 PROTOCOL_MIN = 2
@@ -86,18 +87,29 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
-    """Engine -> sender: the plane is open; ``protocol`` is the version both will speak."""
+    """Engine -> sender: the plane is open; ``protocol`` is the version both will speak.
+
+    ``limits`` are the engine's bounds, which the sender plans its buckets to fit.
+    """
 
     session: str
     protocol: int
     version: int | None
+    limits: Limits = Limits()
 
 
 class Begin(msgspec.Struct, frozen=True, tag="begin"):
-    """Sender -> engine: opens the stream of ``version`` (seq 0), with its manifest if known."""
+    """Sender -> engine: opens the stream of ``version`` (seq 0), with its manifest if known.
+
+    ``empty``: the sender means to send no tensor at all (refused unless said). ``rebase``:
+    the sender restarts the numbering (a trainer back from a checkpoint); the engine takes
+    it only if its limits allow.
+    """
 
     version: int
     manifest: list[TensorMeta] | None = None
+    empty: bool = False
+    rebase: bool = False
 
 
 class Slot(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import anyio
@@ -34,6 +34,7 @@ from aiosync.core.engine_actions import (
     CommitSink,
     Committed,
     Discard,
+    Note,
     OpenPlane,
     Peer,
     Reply,
@@ -41,6 +42,7 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
+from aiosync.core.limits import Limits
 from aiosync.core.wire import Begin, Bucket, Complete, Message, decode, encode
 from aiosync.engine.sinks import WeightSink
 from aiosync.planes import ReceiverPlane, open_receiver_plane
@@ -61,12 +63,14 @@ class ReceiverConfig:
     ``stream_timeout``: the longest a sender may go without a bucket or commit in the middle
     of a version before the stream is dropped. ``session_timeout``: the longest a session
     may go without any message (senders send keepalives while idle) before it is closed and
-    its buffers unmapped. ``reply_timeout`` bounds sending one reply.
+    its buffers unmapped. ``reply_timeout`` bounds sending one reply. ``limits`` bound what
+    any one peer may send (sizes, counts, version steps); senders learn them at hello.
     """
 
     stream_timeout: float = 60.0
     session_timeout: float = 60.0
     reply_timeout: float = 10.0
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if min(self.stream_timeout, self.session_timeout, self.reply_timeout) <= 0:
@@ -124,8 +128,8 @@ class WeightReceiver:
 
     @property
     def failures(self) -> list[SyncFailure]:
-        """Every stream that did not commit, oldest first."""
-        return self._machine.failures if self._machine else []
+        """The streams that did not commit, oldest first (the last ``max_failures``)."""
+        return list(self._machine.failures) if self._machine else []
 
     @property
     def last_failure(self) -> SyncFailure | None:
@@ -178,6 +182,7 @@ class WeightReceiver:
             staged=self.sink.staged,
             stream_timeout=self.config.stream_timeout,
             session_timeout=self.config.session_timeout,
+            limits=self.config.limits,
         )
         if isinstance(self._endpoint, str | None):
             from aiosync.channels.zmq import ZmqListener
@@ -255,6 +260,11 @@ class WeightReceiver:
         per-tensor work never blocks the loop.
         """
         machine = self._session
+        if len(payload) > self.config.limits.max_message_bytes:
+            most = self.config.limits.max_message_bytes
+            return machine.undecodable(
+                peer, ProtocolError(f"{len(payload)}-byte message (most {most})")
+            )
         try:
             if len(payload) > BIG_MESSAGE:
                 message = await anyio.to_thread.run_sync(decode, payload)
@@ -332,6 +342,8 @@ class WeightReceiver:
             return machine.commit_done(action.peer, action.version, time.monotonic())
         if isinstance(action, Committed):
             await self._committed_hook(action.version)
+        elif isinstance(action, Note):
+            log.warning("%s", action.text)
         return []
 
     def _apply(self, plane: ReceiverPlane, action: Apply) -> None:

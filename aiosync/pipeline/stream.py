@@ -1,14 +1,10 @@
 """One version's trip to a fleet of engines: begin, stream buckets, prepare, commit.
 
-Stages run concurrently in one task group: a packer fills a free buffer (in a worker thread,
-with the planning and message encoding of that bucket) and publishes it; per engine, a
-sender task sends each bucket message and an acker task matches the engine's acks. A buffer
-is free again once every live engine acked it, so the ring of buffers is the backpressure:
-with ``N`` buffers at most ``N`` buckets are in flight, to every engine at once. Each bucket
-is packed once, whatever the number of engines.
-
-Commit is two-phase (:class:`~aiosync.core.trainer_session.FleetVote`): engines first report
-the version complete and checked, then all are told to commit.
+The buckets go out through a :class:`~aiosync.pipeline.fanout.BucketFanout` (each packed
+once, read by every engine). Commit is two-phase
+(:class:`~aiosync.core.trainer_session.FleetVote`): engines first report the version
+complete and checked, then all are told to commit; what a failure does depends on the
+:class:`~aiosync.core.trainer_session.Policy`.
 """
 
 from __future__ import annotations
@@ -16,24 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream as Receiving
-from anyio.streams.memory import MemoryObjectSendStream as Sending
 
 from aiosync.core.errors import (
     AiosyncError,
-    MismatchError,
     PeerGoneError,
-    SyncTimeoutError,
     breaks_session,
 )
-from aiosync.core.layout import BucketPlan, TensorSpec
+from aiosync.core.layout import BucketPlan
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import EngineOutcome, FleetVote, Policy, Verdict
-from aiosync.core.wire import Abort, Begin, Bucket, Commit, Complete, Slot, encode
-from aiosync.pipeline.ledger import BufferLedger
+from aiosync.core.wire import Abort, Begin, Commit, Complete, encode
+from aiosync.pipeline.fanout import BucketFanout
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncProgress, SyncReport
 from aiosync.planes.base import SenderPlane
@@ -42,16 +33,6 @@ from aiosync.runtime import unwrap_group
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 1.0
-BEGIN = -1
-"""The buffer index of the ``begin`` message when it travels in a link's send queue."""
-
-
-@dataclass(frozen=True)
-class _Packed:
-    seq: int
-    index: int
-    payload: bytes
-    plan: BucketPlan
 
 
 class StreamRun:
@@ -66,18 +47,17 @@ class StreamRun:
         manifest: list[TensorMeta] | None,
         policy: Policy,
         progress: ProgressCallback | None = None,
+        empty: bool = False,
+        rebase: bool = False,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
         self.version = version
         self.manifest = manifest
-        self._entries: dict[str, int] | None = None  # built in the packing thread
+        self.flags = {"empty": empty, "rebase": rebase}
         self.vote = FleetVote(list(self.links), policy)
         self.progress = progress
-        self.timeout = min(link.timeout for link in links)
-        self._limiter = anyio.CapacityLimiter(1)
-        self.sent_buckets = self.sent_tensors = 0
-        self.acked = SyncProgress(version, 0, 0, 0)
+        self._fanout: BucketFanout | None = None
         self._outcomes: dict[str, EngineOutcome] = {}
         self._started = time.perf_counter()
 
@@ -86,8 +66,7 @@ class StreamRun:
     async def run(self, plans: Iterator[BucketPlan]) -> SyncReport:
         """Stream every planned bucket to every engine, then commit under the policy."""
         try:
-            begin = Begin(self.version, self.manifest)
-            payload: bytes | None = await anyio.to_thread.run_sync(encode, begin)
+            payload: bytes | None = await anyio.to_thread.run_sync(self._begin_message)
             if not self._may_stream_before_accepted():
                 await self._each(self._begin, payload)
                 payload = None
@@ -103,6 +82,23 @@ class StreamRun:
             raise self.vote.failure(self.version)
         await self._each(self._commit, only=list(self.vote.prepared))
         return self._report()
+
+    def _begin_message(self) -> bytes:
+        """The encoded ``begin``; without the manifest when an engine could not take it.
+
+        A version past an engine's limits on manifest size still streams: each bucket then
+        names its tensors, and the engine checks coverage when the version completes.
+        """
+        payload = encode(Begin(self.version, self.manifest, **self.flags))
+        limits = [link.session.limits for link in self.links.values()]
+        too_many = len(self.manifest or ()) > min(x.max_manifest_tensors for x in limits)
+        if self.manifest is not None and (
+            too_many or len(payload) > min(x.max_message_bytes for x in limits)
+        ):
+            log.info("version %d goes without a manifest (past an engine's limits)", self.version)
+            self.manifest = None
+            payload = encode(Begin(self.version, None, **self.flags))
+        return payload
 
     def _may_stream_before_accepted(self) -> bool:
         """Whether buckets may follow ``begin`` before the engines accepted it.
@@ -170,13 +166,14 @@ class StreamRun:
         await link.request(payload, 0, "the version's manifest", self.version)
 
     async def _complete(self, link: EngineLink) -> None:
-        seq = self.sent_buckets + 1
-        message = Complete(self.version, seq, self.sent_buckets, self.sent_tensors)
+        sent = self._sent()
+        seq = sent.buckets + 1
+        message = Complete(self.version, seq, sent.buckets, sent.tensors)
         await link.request(encode(message), seq, "completion check", self.version)
         self.vote.prepare(link.name)
 
     async def _commit(self, link: EngineLink) -> None:
-        seq = self.sent_buckets + 2
+        seq = self._sent().buckets + 2
         await link.request(encode(Commit(self.version, seq)), seq, "commit", self.version)
         link.session.committed()
         self._outcomes[link.name] = self._outcome(link, "committed")
@@ -197,183 +194,27 @@ class StreamRun:
                 except AiosyncError as exc:
                     log.warning("could not tell %s to abort: %s", link.name, exc)
 
-    # --- streaming --------------------------------------------------------------------
-
     async def _stream(self, plans: Iterator[BucketPlan], begin: bytes | None) -> None:
-        count = self.plane.count
-        free_tx, free_rx = anyio.create_memory_object_stream[int](count)
-        for index in range(count):
-            free_tx.send_nowait(index)
-        ledger: BufferLedger[BucketPlan] = BufferLedger()
-        outboxes: dict[str, Sending[_Packed]] = {}
-        async with free_tx, free_rx, anyio.create_task_group() as tg:
-            for name in self.vote.live:
-                tx, rx = anyio.create_memory_object_stream[_Packed](count)
-                outboxes[name] = tx
-                link = self.links[name]
-                tg.start_soon(self._guard, tg, link, self._link_stage, rx, ledger, free_tx, begin)
-            await self._pack_stage(plans, (free_tx, free_rx), ledger, outboxes)
-
-    async def _pack_stage(
-        self,
-        plans: Iterator[BucketPlan],
-        ring: tuple[Sending[int], Receiving[int]],
-        ledger: BufferLedger[BucketPlan],
-        outboxes: dict[str, Sending[_Packed]],
-    ) -> None:
-        freed, free = ring
-        try:
-            while self.vote.live:
-                # Each engine's acks are awaited with the timeout, and a failed engine lets go
-                # of its buffers; this bound is only a backstop, so it never fires first.
-                with anyio.move_on_after(2 * self.timeout) as scope:
-                    index = await free.receive()
-                if scope.cancelled_caught:
-                    held = ", ".join(self.vote.live)
-                    raise SyncTimeoutError(
-                        f"no buffer freed within {2 * self.timeout:g}s by {held}",
-                        version=self.version,
-                    )
-                packed = await anyio.to_thread.run_sync(
-                    self._pack_next, plans, index, limiter=self._limiter
-                )
-                if packed is None:
-                    return
-                await self.plane.publish(index, packed.plan.used)
-                live = self.vote.live
-                ledger.hold(index, live, packed.plan)
-                for name in live:
-                    try:
-                        outboxes[name].send_nowait(packed)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        # the engine's stage is failing and not yet counted out: let go
-                        if ledger.release(index, name) is not None:
-                            freed.send_nowait(index)
-        finally:
-            for outbox in outboxes.values():
-                outbox.close()
-
-    def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> _Packed | None:
-        """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""
-        try:
-            plan = next(plans, None)
-        except AiosyncError:
-            raise
-        except Exception as exc:
-            raise MismatchError(f"cannot read the tensors: {exc}", version=self.version) from exc
-        if plan is None:
-            return None
-        try:
-            self.plane.pack(index, plan)
-        except MismatchError as exc:  # names the tensor that failed
-            raise MismatchError(exc.reason, version=self.version, tensor=exc.tensor) from exc
-        except Exception as exc:
-            names = ", ".join(spec.name for spec in plan.specs[:3])
-            raise MismatchError(
-                f"cannot pack ({names}): {exc}",
-                version=self.version,
-                tensor=plan.first_name,
-            ) from exc
-        plan.tensors.clear()  # packed: a generator's tensors may be freed now
-        self.sent_buckets += 1
-        self.sent_tensors += plan.whole_tensors
-        seq = self.sent_buckets
-        if self.manifest is not None:
-            slots = [self._slot(spec) for spec in plan.specs]
-            bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
-        else:
-            bucket = Bucket(self.version, seq, index, plan.used, specs=plan.specs)
-        return _Packed(seq, index, encode(bucket), plan)
-
-    def _slot(self, spec: TensorSpec) -> Slot:
-        if self._entries is None:
-            self._entries = {meta.name: i for i, meta in enumerate(self.manifest or ())}
-        entry = self._entries.get(spec.name)
-        if entry is None:
-            raise MismatchError("tensor is not in the version's manifest", tensor=spec.name)
-        return Slot(entry, spec.offset, spec.nbytes, spec.start)
-
-    async def _link_stage(
-        self,
-        link: EngineLink,
-        outbox: Receiving[_Packed],
-        ledger: BufferLedger[BucketPlan],
-        free: Sending[int],
-        begin: bytes | None,
-    ) -> None:
-        """Send every bucket to one engine and match its acks; gone: release its buffers.
-
-        With ``begin``, the stream opens here, and the ack of the begin is the first awaited.
-        """
-        inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count + 1)
-        try:
-            if begin is not None:
-                link.session.begin(self.version)
-                await self._send_one(link, _Packed(0, BEGIN, begin, BucketPlan()), inflight_tx)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._send_loop, link, outbox, inflight_tx)
-                await self._ack_loop(link, inflight_rx, ledger, free)
-        except BaseException:
-            for index, plan in ledger.drop(link.name):
-                self._bucket_done(plan)
-                free.send_nowait(index)
-            raise
-
-    async def _send_loop(
-        self,
-        link: EngineLink,
-        outbox: Receiving[_Packed],
-        inflight: Sending[_Packed],
-    ) -> None:
-        async with outbox, inflight:
-            async for packed in outbox:
-                await self._send_one(link, packed, inflight)
-
-    async def _send_one(
-        self, link: EngineLink, packed: _Packed, inflight: Sending[_Packed]
-    ) -> None:
-        tensor = packed.plan.first_name
-        if link.window is not None:
-            with anyio.move_on_after(self.timeout) as scope:
-                await link.window.acquire()
-            if scope.cancelled_caught:
-                raise link.timeout_error("ack freeing a send slot", self.version, tensor)
-        await link.send(packed.payload, "a bucket", self.version, tensor)
-        link.session.sent(packed.seq)
-        inflight.send_nowait(packed)
-
-    async def _ack_loop(
-        self,
-        link: EngineLink,
-        inflight: Receiving[_Packed],
-        ledger: BufferLedger[BucketPlan],
-        free: Sending[int],
-    ) -> None:
-        async with inflight:
-            async for packed in inflight:
-                tensor = packed.plan.first_name
-                ack = await link.recv_ack("ack for a bucket", self.version, tensor)
-                if link.window is not None:
-                    link.window.release()
-                if not ack.ok:
-                    raise link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
-                if packed.index == BEGIN:
-                    continue
-                plan = ledger.release(packed.index, link.name)
-                if plan is not None:
-                    self._bucket_done(plan)
-                    free.send_nowait(packed.index)
-
-    def _bucket_done(self, plan: BucketPlan) -> None:
-        done = self.acked
-        tensors = plan.whole_tensors
-        self.acked = SyncProgress(
-            self.version, done.buckets + 1, done.tensors + tensors, done.bytes + plan.payload_bytes
+        fanout = BucketFanout(
+            links=self.links,
+            plane=self.plane,
+            version=self.version,
+            manifest=self.manifest,
+            vote=self.vote,
+            guard=self._guard,
+            progress=self.progress,
         )
-        if self.progress is not None:
-            self.progress(self.acked)
+        self._fanout = fanout
+        await fanout.run(plans, begin)
 
     # --- outcome ----------------------------------------------------------------------
+
+    def _sent(self) -> SyncProgress:
+        """What went out (buckets and tensors the engines should have)."""
+        fanout = self._fanout
+        if fanout is None:
+            return SyncProgress(self.version, 0, 0, 0)
+        return SyncProgress(self.version, fanout.sent_buckets, fanout.sent_tensors, 0)
 
     def _outcome(
         self, link: EngineLink, status: str, error: AiosyncError | None = None
@@ -390,7 +231,8 @@ class StreamRun:
             self._outcomes[name] = self._outcome(self.links[name], "failed", error)
         if not any(o.status == "committed" for o in self._outcomes.values()):
             raise self.vote.failure(self.version)
-        done, order = self.acked, list(self.links)
+        done = self._fanout.acked if self._fanout else SyncProgress(self.version, 0, 0, 0)
+        order = list(self.links)
         engines = tuple(sorted(self._outcomes.values(), key=lambda o: order.index(o.engine)))
         seconds = time.perf_counter() - self._started
         return SyncReport(self.version, done.buckets, done.tensors, done.bytes, seconds, engines)

@@ -30,7 +30,12 @@ import torch
 
 from aiosync.channels.base import Channel
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
-from aiosync.core.layout import ALIGNMENT, calculate_aligned_size, plan_buckets
+from aiosync.core.layout import (
+    ALIGNMENT,
+    MAX_BUCKET_ITEMS,
+    calculate_aligned_size,
+    plan_buckets,
+)
 from aiosync.core.manifest import TensorMeta, build_manifest, module_tensors, visible_pairs
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
@@ -247,6 +252,8 @@ class WeightSender:
         manifest: Manifest | None = None,
         policy: Policy | str | None = None,
         progress: ProgressCallback | None = None,
+        empty: bool = False,
+        rebase: bool = False,
     ) -> SyncReport:
         """Stream every tensor as ``version`` and return once the engines committed it.
 
@@ -256,6 +263,8 @@ class WeightSender:
         name -> tensor map, meta tensors welcome) to give one for a generator. ``version``
         defaults to one past the newest an engine holds. On failure, engines keep their
         previous version as the policy says, and the error names each failed engine.
+        A version with no tensors needs ``empty=True``; ``rebase=True`` restarts the
+        numbering (a trainer back from a checkpoint), where the engines allow it.
         """
         if self._plane is None:
             raise UsageError("sender is not open; use 'async with WeightSender(...)'")
@@ -268,7 +277,8 @@ class WeightSender:
             raise PeerGoneError("no engines to send to" + (f" (lost {lost})" if lost else ""))
         self._sending = True
         try:
-            return await self._send(named_tensors, version, manifest, policy, progress)
+            options = {"empty": empty, "rebase": rebase}
+            return await self._send(named_tensors, version, manifest, policy, progress, options)
         finally:
             self._sending = False
             await self._drop_broken()
@@ -280,6 +290,7 @@ class WeightSender:
         manifest: Manifest | None,
         policy: Policy | str | None,
         progress: ProgressCallback | None,
+        options: dict[str, bool],
     ) -> SyncReport:
         pairs, entries = await anyio.to_thread.run_sync(self._read, source, manifest)
         if version is None:
@@ -292,8 +303,12 @@ class WeightSender:
             manifest=entries,
             policy=Policy(policy or self.config.policy),
             progress=progress,
+            **options,
         )
-        plans = plan_buckets(source if pairs is None else pairs, self._capacity)
+        most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
+        plans = plan_buckets(
+            source if pairs is None else pairs, self._capacity, min(MAX_BUCKET_ITEMS, most)
+        )
         try:
             report = await run.run(plans)
         except BaseException as group:

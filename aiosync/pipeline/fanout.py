@@ -1,0 +1,245 @@
+"""Buckets to a fleet: pack each once, send it to every live engine, free it when all acked.
+
+A packer fills a free buffer (in a worker thread, with the planning and message encoding of
+that bucket) and publishes it; per engine, a send task sends each bucket message and an ack
+task matches the engine's acks. A buffer is free again once every live engine acked it (the
+:class:`~aiosync.pipeline.ledger.BufferLedger`), so the ring of buffers is the backpressure:
+with ``N`` buffers at most ``N`` buckets are in flight, to every engine at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream as Receiving
+from anyio.streams.memory import MemoryObjectSendStream as Sending
+
+from aiosync.core.errors import AiosyncError, MismatchError, SyncTimeoutError
+from aiosync.core.layout import BucketPlan, TensorSpec
+from aiosync.core.manifest import TensorMeta
+from aiosync.core.trainer_session import FleetVote
+from aiosync.core.wire import Bucket, Slot, encode
+from aiosync.pipeline.ledger import BufferLedger
+from aiosync.pipeline.links import EngineLink
+from aiosync.pipeline.report import ProgressCallback, SyncProgress
+from aiosync.planes.base import SenderPlane
+
+BEGIN = -1
+"""The buffer index of the ``begin`` message when it travels in a link's send queue."""
+
+Guard = Callable[..., Coroutine[Any, Any, None]]
+"""Runs one engine's step inside a task group; its failure goes to the fleet's vote."""
+
+
+@dataclass(frozen=True)
+class _Packed:
+    seq: int
+    index: int
+    payload: bytes
+    plan: BucketPlan
+
+
+class BucketFanout:
+    """One version's buckets through ``plane`` to the live engines of ``vote``."""
+
+    def __init__(
+        self,
+        *,
+        links: dict[str, EngineLink],
+        plane: SenderPlane,
+        version: int,
+        manifest: list[TensorMeta] | None,
+        vote: FleetVote,
+        guard: Guard,
+        progress: ProgressCallback | None,
+    ) -> None:
+        self.links = links
+        self.plane = plane
+        self.version = version
+        self.manifest = manifest
+        self.vote = vote
+        self._guard = guard
+        self.progress = progress
+        self.timeout = min(link.timeout for link in links.values())
+        self._limiter = anyio.CapacityLimiter(1)
+        self._entries: dict[str, int] | None = None  # built in the packing thread
+        self.sent_buckets = self.sent_tensors = 0
+        self.acked = SyncProgress(version, 0, 0, 0)
+
+    async def run(self, plans: Iterator[BucketPlan], begin: bytes | None) -> None:
+        """Stream every planned bucket to every live engine (opening with ``begin`` if given)."""
+        count = self.plane.count
+        free_tx, free_rx = anyio.create_memory_object_stream[int](count)
+        for index in range(count):
+            free_tx.send_nowait(index)
+        ledger: BufferLedger[BucketPlan] = BufferLedger()
+        outboxes: dict[str, Sending[_Packed]] = {}
+        async with free_tx, free_rx, anyio.create_task_group() as tg:
+            for name in self.vote.live:
+                tx, rx = anyio.create_memory_object_stream[_Packed](count)
+                outboxes[name] = tx
+                link = self.links[name]
+                tg.start_soon(self._guard, tg, link, self._link_stage, rx, ledger, free_tx, begin)
+            await self._pack_stage(plans, (free_tx, free_rx), ledger, outboxes)
+
+    async def _pack_stage(
+        self,
+        plans: Iterator[BucketPlan],
+        ring: tuple[Sending[int], Receiving[int]],
+        ledger: BufferLedger[BucketPlan],
+        outboxes: dict[str, Sending[_Packed]],
+    ) -> None:
+        freed, free = ring
+        try:
+            while self.vote.live:
+                # Each engine's acks are awaited with the timeout, and a failed engine lets go
+                # of its buffers; this bound is only a backstop, so it never fires first.
+                with anyio.move_on_after(2 * self.timeout) as scope:
+                    index = await free.receive()
+                if scope.cancelled_caught:
+                    held = ", ".join(self.vote.live)
+                    raise SyncTimeoutError(
+                        f"no buffer freed within {2 * self.timeout:g}s by {held}",
+                        version=self.version,
+                    )
+                packed = await anyio.to_thread.run_sync(
+                    self._pack_next, plans, index, limiter=self._limiter
+                )
+                if packed is None:
+                    return
+                await self.plane.publish(index, packed.plan.used)
+                live = self.vote.live
+                ledger.hold(index, live, packed.plan)
+                for name in live:
+                    try:
+                        outboxes[name].send_nowait(packed)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        # the engine's stage is failing and not yet counted out: let go
+                        if ledger.release(index, name) is not None:
+                            freed.send_nowait(index)
+        finally:
+            for outbox in outboxes.values():
+                outbox.close()
+
+    def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> _Packed | None:
+        """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""
+        try:
+            plan = next(plans, None)
+        except AiosyncError:
+            raise
+        except Exception as exc:
+            raise MismatchError(f"cannot read the tensors: {exc}", version=self.version) from exc
+        if plan is None:
+            return None
+        try:
+            self.plane.pack(index, plan)
+        except MismatchError as exc:  # names the tensor that failed
+            raise MismatchError(exc.reason, version=self.version, tensor=exc.tensor) from exc
+        except Exception as exc:
+            names = ", ".join(spec.name for spec in plan.specs[:3])
+            raise MismatchError(
+                f"cannot pack ({names}): {exc}",
+                version=self.version,
+                tensor=plan.first_name,
+            ) from exc
+        plan.tensors.clear()  # packed: a generator's tensors may be freed now
+        self.sent_buckets += 1
+        self.sent_tensors += plan.whole_tensors
+        seq = self.sent_buckets
+        if self.manifest is not None:
+            slots = [self._slot(spec) for spec in plan.specs]
+            bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
+        else:
+            bucket = Bucket(self.version, seq, index, plan.used, specs=plan.specs)
+        return _Packed(seq, index, encode(bucket), plan)
+
+    def _slot(self, spec: TensorSpec) -> Slot:
+        if self._entries is None:
+            self._entries = {meta.name: i for i, meta in enumerate(self.manifest or ())}
+        entry = self._entries.get(spec.name)
+        if entry is None:
+            raise MismatchError("tensor is not in the version's manifest", tensor=spec.name)
+        return Slot(entry, spec.offset, spec.nbytes, spec.start)
+
+    async def _link_stage(
+        self,
+        link: EngineLink,
+        outbox: Receiving[_Packed],
+        ledger: BufferLedger[BucketPlan],
+        free: Sending[int],
+        begin: bytes | None,
+    ) -> None:
+        """Send every bucket to one engine and match its acks; gone: release its buffers.
+
+        With ``begin``, the stream opens here, and the ack of the begin is the first awaited.
+        """
+        inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count + 1)
+        try:
+            if begin is not None:
+                link.session.begin(self.version)
+                await self._send_one(link, _Packed(0, BEGIN, begin, BucketPlan()), inflight_tx)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._send_loop, link, outbox, inflight_tx)
+                await self._ack_loop(link, inflight_rx, ledger, free)
+        except BaseException:
+            for index, plan in ledger.drop(link.name):
+                self._bucket_done(plan)
+                free.send_nowait(index)
+            raise
+
+    async def _send_loop(
+        self,
+        link: EngineLink,
+        outbox: Receiving[_Packed],
+        inflight: Sending[_Packed],
+    ) -> None:
+        async with outbox, inflight:
+            async for packed in outbox:
+                await self._send_one(link, packed, inflight)
+
+    async def _send_one(
+        self, link: EngineLink, packed: _Packed, inflight: Sending[_Packed]
+    ) -> None:
+        tensor = packed.plan.first_name
+        if link.window is not None:
+            with anyio.move_on_after(self.timeout) as scope:
+                await link.window.acquire()
+            if scope.cancelled_caught:
+                raise link.timeout_error("ack freeing a send slot", self.version, tensor)
+        await link.send(packed.payload, "a bucket", self.version, tensor)
+        link.session.sent(packed.seq)
+        inflight.send_nowait(packed)
+
+    async def _ack_loop(
+        self,
+        link: EngineLink,
+        inflight: Receiving[_Packed],
+        ledger: BufferLedger[BucketPlan],
+        free: Sending[int],
+    ) -> None:
+        async with inflight:
+            async for packed in inflight:
+                tensor = packed.plan.first_name
+                ack = await link.recv_ack("ack for a bucket", self.version, tensor)
+                if link.window is not None:
+                    link.window.release()
+                if not ack.ok:
+                    raise link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
+                if packed.index == BEGIN:
+                    continue
+                plan = ledger.release(packed.index, link.name)
+                if plan is not None:
+                    self._bucket_done(plan)
+                    free.send_nowait(packed.index)
+
+    def _bucket_done(self, plan: BucketPlan) -> None:
+        done = self.acked
+        tensors = plan.whole_tensors
+        self.acked = SyncProgress(
+            self.version, done.buckets + 1, done.tensors + tensors, done.bytes + plan.payload_bytes
+        )
+        if self.progress is not None:
+            self.progress(self.acked)
