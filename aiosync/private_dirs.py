@@ -7,10 +7,13 @@ was killed before it could is removed by :func:`sweep_stale_dirs`, which every
 :func:`make_private_dir` runs first, as :func:`aiosync.planes.shm.sweep_stale_segments` does
 for shared-memory segments.
 
-A directory is swept only when all of these hold: its name has the form above, its pid
-namespace is this process's (a pid from another namespace, say another container sharing
-``/tmp``, says nothing here), no process with its pid exists, it is a real directory (not
-a symlink) and this user owns it. Removal never follows symlinks.
+A directory is swept only when all of these hold: its whole name has the form above, its
+pid namespace is this process's (a pid from another namespace, say another container
+sharing ``/tmp``, says nothing here), no process with its pid exists, it is a real
+directory (not a symlink) and this user (the effective uid) owns it. Removal never follows
+symlinks, and the sweep is best effort: whatever it cannot look at or remove it leaves, and
+it never raises, so nothing planted in the temporary directory can stop a process from
+making its own directory.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (OSError, OverflowError):
+        return True  # another user's (EPERM), or a number no pid can be: never call it dead
     return True
 
 
 def _name_pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}(\d+)-(\d+)-{_RANDOM}$")
+    """The whole name (use ``fullmatch``); bounded numbers, so a planted name stays cheap."""
+    return re.compile(rf"{re.escape(prefix)}(\d{{1,20}})-(\d{{1,10}})-{_RANDOM}")
 
 
 def make_private_dir(prefix: str = PREFIX, parent: str | os.PathLike[str] | None = None) -> Path:
@@ -70,7 +74,7 @@ def make_private_dir(prefix: str = PREFIX, parent: str | os.PathLike[str] | None
 
 def creator_pid(path: Path, prefix: str = PREFIX) -> int | None:
     """The pid in a private directory's name, or ``None`` when the name is not one of ours."""
-    match = _name_pattern(prefix).match(path.name)
+    match = _name_pattern(prefix).fullmatch(path.name)
     return int(match.group(2)) if match else None
 
 
@@ -80,32 +84,38 @@ def sweep_stale_dirs(
     """Remove private directories whose creating process is gone; returns their names.
 
     Only directories named by :func:`make_private_dir` in this PID namespace, owned by this
-    user and not symlinks are considered; see the module docstring.
+    user and not symlinks are considered; see the module docstring. Never raises.
     """
+    removed: list[str] = []
+    namespace = pid_namespace()
+    if namespace == 0:  # without /proc no pid can be judged dead
+        return removed
     base = Path(parent) if parent is not None else Path(tempfile.gettempdir())
     pattern = _name_pattern(prefix)
-    namespace = pid_namespace()
-    uid = os.getuid()
-    removed: list[str] = []
+    uid = os.geteuid()
     try:
-        entries = list(os.scandir(base))
+        with os.scandir(base) as scan:
+            entries = list(scan)
     except OSError:
         return removed
     for entry in entries:
-        match = pattern.match(entry.name)
+        match = pattern.fullmatch(entry.name)
         if not match or int(match.group(1)) != namespace:
             continue
         if pid_alive(int(match.group(2))):
             continue
         try:
             info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                continue
+            # rmtree works from descriptors and refuses a symlink, also one swapped in
+            # after the lstat above; nothing inside is followed out.
+            shutil.rmtree(entry.path, ignore_errors=True)
+            if os.path.lexists(entry.path):
+                continue
         except OSError:
             continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)  # never follows symlinks inside
-        if not os.path.lexists(entry.path):
-            removed.append(entry.name)
+        removed.append(entry.name)
     if removed:
         log.warning("removed %d private directories left by dead processes", len(removed))
     return removed

@@ -91,8 +91,8 @@ def test_another_users_dir_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     if os.getuid() == 0:
         os.chown(stale, 65534, 65534)  # nobody
     else:  # seen from another user's point of view
-        uid = os.getuid()
-        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+        uid = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
     assert sweep_stale_dirs(parent=tmp_path) == []
     assert stale.is_dir()
 
@@ -113,6 +113,58 @@ def test_symlinks_and_files_are_never_followed_or_removed(tmp_path: Path) -> Non
     assert link.is_symlink()
     assert plain.is_file()
     assert (target / "precious").read_text() == "keep"
+
+
+def test_planted_names_never_break_the_sweep_or_a_new_dir(tmp_path: Path) -> None:
+    """Whatever is planted under a name like a stale directory's, the sweep removes none of
+    it, raises nothing, and a new private directory is still made."""
+    ns = pid_namespace()
+    pid = dead_pid()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep")
+    planted: list[Path] = []
+
+    def plant(name: str) -> Path:
+        path = tmp_path / name
+        planted.append(path)
+        return path
+
+    plant(stale_name(pid, suffix="file_001")).write_text("")  # a file, not a directory
+    plant(stale_name(pid, suffix="link_001")).symlink_to(victim, target_is_directory=True)
+    plant(stale_name(pid, suffix="dang_001")).symlink_to(tmp_path / "nowhere")
+    os.mkfifo(plant(stale_name(pid, suffix="fifo_001")))
+    plant(stale_name(os.getpid(), suffix="live_001")).mkdir()  # its creator is alive
+    plant(f"aiosync-{ns}-{pid}-abcd_123\n").mkdir()  # whole name only: no trailing newline
+    plant(f"aiosync-{ns}-{'9' * 200}-abcd_123").mkdir()  # a pid os.kill overflows on
+    plant(f"aiosync-{ns}-{2**40}-abcd_123").mkdir()  # a pid os.kill cannot take
+    plant(f"aiosync-{'9' * 25}-{pid}-abcd_123").mkdir()  # a namespace of too many digits
+    other = plant(stale_name(pid, suffix="user_001"))
+    other.mkdir()
+    if os.geteuid() == 0:
+        os.chown(other, 65534, 65534)  # nobody's
+    else:
+        other.rmdir()
+        planted.remove(other)
+    assert sweep_stale_dirs(parent=tmp_path) == []
+    assert all(os.path.lexists(path) for path in planted)
+    assert (victim / "precious").read_text() == "keep"
+    fresh = make_private_dir(parent=tmp_path)
+    assert fresh.is_dir()
+    assert all(os.path.lexists(path) for path in planted)
+
+
+def test_a_sweep_of_a_missing_or_unreadable_parent_is_a_no_op(tmp_path: Path) -> None:
+    assert sweep_stale_dirs(parent=tmp_path / "missing") == []
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    assert sweep_stale_dirs(parent=not_a_dir) == []
+
+
+def test_creator_pid_needs_the_whole_name() -> None:
+    assert creator_pid(Path(stale_name(1234))) == 1234
+    assert creator_pid(Path(stale_name(1234) + "\n")) is None
+    assert creator_pid(Path("x" + stale_name(1234))) is None
 
 
 def test_a_killed_engine_leaves_a_dir_that_the_next_one_sweeps() -> None:
