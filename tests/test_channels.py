@@ -23,6 +23,7 @@ import zmq.asyncio
 from aiosync import ModuleSink, PeerGoneError, SenderConfig, WeightReceiver, WeightSender
 from aiosync.channels.base import Channel
 from aiosync.channels.inproc import InprocChannel, InprocListener, inproc_pair
+from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq import RouterPeer, ZmqChannel, ZmqListener, private_ipc_endpoint
 from aiosync.core.engine_actions import OpenPlane, Reply
 from aiosync.core.engine_session import EngineSession
@@ -43,6 +44,7 @@ from aiosync.runtime import child_env
 from tests.models import assert_same, mixed_weights, zeros_like
 
 GUARD = 30  # seconds: a hang guard only, never a measured bound
+INSECURE = ChannelAuth(insecure_loopback=True)  # plain tcp on loopback, for these tests only
 
 
 @contextmanager
@@ -75,9 +77,11 @@ class Served:
 
 
 @asynccontextmanager
-async def listening(endpoint: str | None = None) -> AsyncIterator[Served]:
+async def listening(
+    endpoint: str | None = None, auth: ChannelAuth | None = None
+) -> AsyncIterator[Served]:
     """A bound listener (default: ``ipc://`` in a private directory), served, closed on exit."""
-    served = Served(ZmqListener.open(endpoint))
+    served = Served(ZmqListener.open(endpoint, auth=auth))
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(served.accept_forever)
@@ -215,17 +219,17 @@ async def test_listener_close_removes_its_socket_file_and_private_directory() ->
 
 
 async def test_tcp_address_in_use_is_an_aiosync_error() -> None:
-    async with listening("tcp://127.0.0.1:*") as first:
+    async with listening("tcp://127.0.0.1:*", auth=INSECURE) as first:
         assert first.endpoint.startswith("tcp://127.0.0.1:")
         with pytest.raises(AiosyncError, match="address in use") as info:
-            ZmqListener(first.endpoint)
+            ZmqListener(first.endpoint, auth=INSECURE)
         assert first.endpoint in str(info.value)
     with socket.socket() as plain:  # a port held by something that is not zmq at all
         plain.bind(("127.0.0.1", 0))
         plain.listen()
         endpoint = f"tcp://127.0.0.1:{plain.getsockname()[1]}"
         with pytest.raises(AiosyncError, match="address in use"):
-            ZmqListener(endpoint)
+            ZmqListener(endpoint, auth=INSECURE)
 
 
 LISTENER_CHILD = """
@@ -320,14 +324,14 @@ async def test_stale_socket_file_not_made_by_zmq_is_reused() -> None:
 )
 async def test_bad_listen_address_is_an_aiosync_error_naming_it(endpoint: str) -> None:
     with pytest.raises(AiosyncError, match="bad address") as info:
-        ZmqListener(endpoint)
+        ZmqListener(endpoint, auth=INSECURE)
     assert endpoint in str(info.value)
 
 
 @pytest.mark.parametrize("endpoint", ["bogus://x", "nonsense", "tcp://127.0.0.1:notaport"])
 async def test_bad_connect_address_is_an_aiosync_error_naming_it(endpoint: str) -> None:
     with pytest.raises(AiosyncError, match="bad address") as info:
-        ZmqChannel.connect(endpoint)
+        ZmqChannel.connect(endpoint, auth=INSECURE)
     assert endpoint in str(info.value)
 
 

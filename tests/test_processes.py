@@ -28,6 +28,7 @@ from aiosync import (
     WeightReceiver,
     WeightSender,
 )
+from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq import private_ipc_endpoint
 from aiosync.compat.nemo_rl import stream_weights_via_ipc_zmq_impl
 from aiosync.core.wire import Abort, decode
@@ -148,13 +149,14 @@ async def test_garbage_gets_a_protocol_error_and_the_engine_keeps_serving() -> N
 async def test_raw_tcp_garbage_does_not_stop_the_engine() -> None:
     weights = mixed_weights()
     target = zeros_like(weights)
-    async with WeightReceiver(ModuleSink(target), "tcp://127.0.0.1:*") as receiver:
+    insecure = ChannelAuth(insecure_loopback=True)
+    async with WeightReceiver(ModuleSink(target), "tcp://127.0.0.1:*", auth=insecure) as receiver:
         host, port = receiver.endpoint.removeprefix("tcp://").rsplit(":", 1)
         assert host == "127.0.0.1"
         with socket.create_connection((host, int(port)), timeout=5) as raw:
             raw.sendall(os.urandom(4096))
         config = SenderConfig(buffer_bytes=64 * 1024, timeout=10)
-        async with WeightSender(receiver.endpoint, config=config) as sender:
+        async with WeightSender(receiver.endpoint, config=config, auth=insecure) as sender:
             await sender.send(weights.items(), version=0)
         assert receiver.current_version == 0
 

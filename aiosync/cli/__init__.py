@@ -32,9 +32,10 @@ log = logging.getLogger("aiosync.cli")
 def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
     from aiosync.cli.bench import bench
     from aiosync.cli.demo import demo
+    from aiosync.cli.keygen import keygen
     from aiosync.cli.roles import ROLES
 
-    return {"demo": demo, "bench": bench, **ROLES}
+    return {"demo": demo, "bench": bench, **ROLES, "keygen": keygen}
 
 
 def _unwind_on_signals() -> None:
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.log_level, args.command)
     try:
-        args.device = resolve_device(args.device)
+        if hasattr(args, "device"):  # keygen has none
+            args.device = resolve_device(args.device)
     except CommandError as exc:
         parser.error(str(exc))
     _unwind_on_signals()

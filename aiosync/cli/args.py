@@ -26,6 +26,7 @@ bench  measures that stream against a single-threaded memcpy and the simple
 engine, trainer
        the two sides on their own, as demo and bench run them; they report
        JSON lines on stdout.
+keygen writes a CURVE keypair, which tcp:// endpoints need.
 """
 
 
@@ -290,6 +291,16 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     engine.add_argument(
         "--verify", action="store_true", help="repeat the trainer's steps and check each version"
     )
+
+    keygen = _subparser(
+        sub,
+        "keygen",
+        "write a CURVE keypair for tcp:// endpoints",
+        "Write DIR/NAME.key (the public key, for the other side) and DIR/NAME.key_secret "
+        "(both keys, mode 0600). Existing files are never overwritten.",
+    )
+    keygen.add_argument("directory", metavar="DIR", help="where to write (created, mode 0700)")
+    keygen.add_argument("--name", default="aiosync", help="file name of the keys, no suffix")
 
     for name, command in commands.items():
         sub.choices[name].set_defaults(func=command)

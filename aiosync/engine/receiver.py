@@ -27,6 +27,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiosync.channels.base import Channel, Listener
+from aiosync.channels.keys import ChannelAuth
 from aiosync.core.engine_actions import (
     Action,
     Apply,
@@ -95,8 +96,10 @@ class WeightReceiver:
         *,
         config: ReceiverConfig | None = None,
         on_commit: Callable[[int], object] | None = None,
+        auth: ChannelAuth | None = None,
     ) -> None:
         self.sink = sink
+        self._auth = auth
         self.config = config or ReceiverConfig()
         self._endpoint = endpoint
         self._on_commit = on_commit
@@ -187,7 +190,7 @@ class WeightReceiver:
         if isinstance(self._endpoint, str | None):
             from aiosync.channels.zmq import ZmqListener
 
-            self._listener = ZmqListener.open(self._endpoint)
+            self._listener = ZmqListener.open(self._endpoint, auth=self._auth)
         else:
             self._listener = self._endpoint
         inbox_tx, inbox_rx = anyio.create_memory_object_stream[tuple[Peer, bytes]](INBOX)

@@ -29,6 +29,7 @@ import anyio.abc
 import torch
 
 from aiosync.channels.base import Channel
+from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
 from aiosync.core.layout import (
     ALIGNMENT,
@@ -98,8 +99,10 @@ class WeightSender:
         *,
         device: torch.device | str = "cpu",
         config: SenderConfig | None = None,
+        auth: ChannelAuth | None = None,
     ) -> None:
         self.config = config or SenderConfig()
+        self._auth = auth
         self.device = torch.device(device)
         many = isinstance(engines, Sequence) and not isinstance(engines, str)
         self._initial: list[Target] = list(engines) if many else [engines]  # type: ignore[arg-type,list-item]
@@ -184,7 +187,7 @@ class WeightSender:
         if isinstance(target, str):
             from aiosync.channels.zmq import ZmqChannel
 
-            channel: Channel = ZmqChannel.connect(target)
+            channel: Channel = ZmqChannel.connect(target, auth=self._auth)
             owned = True
         else:
             channel, owned = target, False
