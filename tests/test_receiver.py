@@ -8,6 +8,7 @@ ends (or never does).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import uuid
@@ -50,7 +51,7 @@ from aiosync.core.wire import (
     decode,
     encode,
 )
-from aiosync.planes.shm import SHM_DIR, ShmSenderPlane, sweep_stale_segments
+from aiosync.planes.shm import ShmSenderPlane
 from aiosync.runtime import require_asyncio
 from tests.models import assert_same, mixed_weights, zeros_like
 from tests.test_processes import next_event, peer
@@ -469,16 +470,20 @@ async def test_idle_sender_killed_has_its_session_and_buffers_released() -> None
             assert (await next_event(trainer))["event"] == "synced"
             assert (await next_event(trainer))["event"] == "stalled"  # version 1: not yet sent
             assert receiver.sessions == 1
-            held = list(SHM_DIR.glob(f"aiosync-*-{trainer.pid}-*"))
-            assert held  # the trainer's buffers, which the engine maps
+            assert memfd_maps_of(trainer.pid)  # the trainer's buffers, which the engine maps
             trainer.send_signal(signal.SIGKILL)
             await wait_until(lambda: receiver.sessions == 0, "the session to expire")
             trainer.wait(timeout=GUARD)
         assert receiver.current_version == 0
         assert receiver.servable
-        # the killed trainer could not unlink its buffers: the next sweep (any process's) does
-        sweep_stale_segments()
-        assert not any(path.exists() for path in held)
+        assert not memfd_maps_of(trainer.pid)  # released with the session: nothing to sweep
+
+
+def memfd_maps_of(pid: int) -> list[str]:
+    """This process's mappings of sealed shared-memory buffers that process ``pid`` made."""
+    marker = f"/memfd:aiosync-{os.stat('/proc/self/ns/pid').st_ino}-{pid}-"
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if marker in line]
 
 
 async def test_keepalives_hold_an_idle_session_open() -> None:

@@ -253,7 +253,7 @@ class WeightReceiver:
                 with anyio.move_on_after(min(max(wait, 0.0), IDLE_POLL)):
                     item = await inbox.receive()
                 if item is not None:
-                    await self._perform(await self._decide(*item))
+                    await self._perform(await self._decide(*item), also=item[0])
                 await self._perform(machine.expire(time.monotonic()))
 
     async def _decide(self, peer: Peer, payload: bytes) -> list[Action]:
@@ -274,7 +274,7 @@ class WeightReceiver:
             else:
                 message = decode(payload)
         except ProtocolError as exc:
-            log.warning("undecodable message from %s: %s", peer, exc)
+            log.debug("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
         if _walks_tensors(message):
             return await anyio.to_thread.run_sync(machine.receive, peer, message, time.monotonic())
@@ -282,15 +282,33 @@ class WeightReceiver:
 
     # --- carrying out actions ---------------------------------------------------------
 
-    async def _perform(self, actions: list[Action], *, replies: bool = True) -> None:
+    async def _perform(
+        self, actions: list[Action], *, replies: bool = True, also: Peer | None = None
+    ) -> None:
+        """Carry out ``actions`` and those they lead to, then forget peers left sessionless.
+
+        ``also`` names the peer whose message led to ``actions``.
+        """
         queue = deque(actions)
+        peers = {also} if also is not None else set()
         while queue:
             action = queue.popleft()
+            if isinstance(action, ClosePlane):
+                peers.add(action.peer)
             if isinstance(action, Reply):
                 if replies:
                     await self._reply(action.peer, action.message)
                 continue
             queue.extendleft(reversed(await self._do(action)))
+        for peer in peers:
+            if peer not in self._session.sessions:
+                await self._forget(peer)
+
+    async def _forget(self, peer: Peer) -> None:
+        """A peer without a session holds nothing here: its next message starts afresh."""
+        channel = self._channels.pop(peer, None)
+        if channel is not None:
+            await channel.aclose()
 
     async def _reply(self, peer: Peer, message: Message) -> None:
         channel = self._channels.get(peer)
@@ -300,7 +318,7 @@ class WeightReceiver:
             try:
                 await channel.send(encode(message))
             except AiosyncError as exc:
-                log.warning("could not reply %s to %s: %s", type(message).__name__, peer, exc)
+                log.info("could not reply %s to %s: %s", type(message).__name__, peer, exc)
         if scope.cancelled_caught:
             log.warning("reply %s to %s timed out", type(message).__name__, peer)
 
@@ -309,7 +327,7 @@ class WeightReceiver:
         if isinstance(action, OpenPlane):
             try:
                 plane = await anyio.to_thread.run_sync(
-                    open_receiver_plane, action.plane, self.sink.device
+                    open_receiver_plane, action.plane, self.sink.device, self.config.limits
                 )
             except Exception as exc:
                 log.warning("refused session from %s: %s", action.peer, exc)

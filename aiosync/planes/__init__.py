@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from aiosync.core.limits import Limits
 from aiosync.core.wire import CudaIpcPlaneSpec, PlaneSpec, ShmPlaneSpec
 from aiosync.planes.base import ReceiverPlane, SenderPlane
 
@@ -25,12 +26,21 @@ def create_sender_plane(device: torch.device, count: int, capacity: int) -> Send
     raise ValueError(f"no data plane for device {device}")
 
 
-def open_receiver_plane(spec: PlaneSpec, device: torch.device) -> ReceiverPlane:
-    """Open a peer's plane described by ``spec``; CUDA buffers open on ``device`` if CUDA."""
+def open_receiver_plane(
+    spec: PlaneSpec, device: torch.device, limits: Limits | None = None
+) -> ReceiverPlane:
+    """Open a peer's plane described by ``spec``; CUDA buffers open on ``device`` if CUDA.
+
+    ``limits`` (the engine's) bound the buffers and bytes the plane may name.
+    """
     if isinstance(spec, ShmPlaneSpec):
         from aiosync.planes.shm import ShmReceiverPlane
 
-        return ShmReceiverPlane(spec)
+        if limits is None:
+            return ShmReceiverPlane(spec)
+        return ShmReceiverPlane(
+            spec, max_buffers=limits.max_buffers, max_bytes=limits.max_session_bytes
+        )
     if isinstance(spec, CudaIpcPlaneSpec):
         from aiosync.planes.cuda_ipc import CudaIpcReceiverPlane
 
