@@ -4,13 +4,16 @@ It serves ``mixed_weights`` shapes (zeros at start) from a private endpoint and 
 lines: ``ready`` (with the endpoint), ``applying`` before each bucket (with ``--delay``
 seconds of work after it), ``committed`` (with per-tensor digests) after each commit.
 ``--extra NAME`` adds a required tensor no trainer sends, so every version is refused;
-``--device cuda:N`` holds the model on a GPU (buffers then arrive through CUDA IPC).
+``--device cuda:N`` holds the model on a GPU (buffers then arrive through CUDA IPC);
+``--die-in-commit`` exits once a version is prepared, before it commits. Each failed stream
+is reported (``failed``) with the servable flag and the model's digests it left.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import anyio
@@ -29,14 +32,22 @@ def emit(event: str, **fields: object) -> None:
 class SlowSink(ModuleSink):
     """A module sink that reports each bucket and then works for ``delay`` seconds."""
 
-    def __init__(self, model: dict[str, torch.Tensor], delay: float, staged: bool) -> None:
+    def __init__(
+        self, model: dict[str, torch.Tensor], delay: float, staged: bool, die_in_commit: bool
+    ) -> None:
         super().__init__(model, staged=staged)
         self.delay = delay
+        self.die_in_commit = die_in_commit
 
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         emit("applying", names=[spec.name for spec in specs])
         super().apply_bucket(bucket, specs)
         time.sleep(self.delay)  # a slow engine, in the sink's worker thread
+
+    def commit(self, version: int) -> None:
+        if self.die_in_commit:  # prepared, then gone before committing
+            os._exit(3)
+        super().commit(version)
 
 
 def main() -> None:
@@ -45,6 +56,7 @@ def main() -> None:
     parser.add_argument("--extra", default=None)
     parser.add_argument("--staged", action="store_true")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--die-in-commit", action="store_true")
     args = parser.parse_args()
     model = {
         name: torch.zeros(t.shape, dtype=t.dtype, device=args.device)
@@ -52,7 +64,7 @@ def main() -> None:
     }
     if args.extra:
         model[args.extra] = torch.zeros(3)
-    sink = SlowSink(model, args.delay, args.staged)
+    sink = SlowSink(model, args.delay, args.staged, args.die_in_commit)
 
     def committed(version: int) -> None:
         emit("committed", version=version, digests={n: digest(t) for n, t in model.items()})
@@ -61,7 +73,15 @@ def main() -> None:
         config = ReceiverConfig(stream_timeout=60, session_timeout=60)
         async with WeightReceiver(sink, config=config, on_commit=committed) as receiver:
             emit("ready", endpoint=receiver.endpoint)
-            await anyio.sleep_forever()
+            seen = 0
+            while True:  # report each failed stream with the state it left the model in
+                await anyio.sleep(0.05)
+                for failure in receiver.failures[seen:]:
+                    digests = {n: digest(t) for n, t in model.items()}
+                    emit("failed", version=failure.version, reason=failure.reason,
+                         servable=receiver.servable, current=receiver.current_version,
+                         digests=digests)  # fmt: skip
+                seen = len(receiver.failures)
 
     run(serve)
 

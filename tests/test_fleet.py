@@ -161,3 +161,40 @@ async def test_an_engine_killed_mid_stream(policy: Policy) -> None:
             committed = await good.next_commit()
         assert committed["version"] == 1
         assert committed["digests"] == digests(later)
+
+
+@only_asyncio
+@pytest.mark.parametrize("flaw", ["missing", "unknown"])
+async def test_a_bad_version_is_refused_before_any_byte_moves(flaw: str) -> None:
+    """An engine process with an in-place model: untouched, still servable, same version."""
+    with engine_processes([]) as (engine,):
+        weights = mixed_weights(seed=1)
+        if flaw == "missing":
+            del weights["layer.0.norm.weight"]
+        else:
+            weights["not.in.the.model"] = torch.ones(3)
+        async with WeightSender(engine.endpoint, config=SMALL) as sender:
+            with pytest.raises(RejectedError) as caught:
+                await sender.send(weights, version=0)
+            assert caught.value.peer == engine.endpoint
+        while (event := await engine.event())["event"] != "failed":
+            assert event["event"] != "applying", "a byte moved"
+        assert event["servable"] is True
+        assert event["current"] is None
+        zeros = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in mixed_weights().items()}
+        assert event["digests"] == digests(zeros)
+
+
+@only_asyncio
+async def test_an_engine_lost_after_preparing_is_reported_and_the_others_commit() -> None:
+    with engine_processes([], ["--die-in-commit"]) as (good, doomed):
+        async with WeightSender([good.endpoint, doomed.endpoint], config=SMALL) as sender:
+            weights = mixed_weights(seed=4)
+            report = await sender.send(weights, version=0)  # policy all: the decision was commit
+            assert report.committed == [good.endpoint]
+            [lost] = report.failed
+            assert (lost.engine, lost.status) == (doomed.endpoint, "lost after prepare")
+        committed = await good.next_commit()
+        assert committed["version"] == 0
+        assert committed["digests"] == digests(weights)
+        assert doomed.proc.wait(timeout=30) == 3
