@@ -286,7 +286,14 @@ def test_channel_auth_refuses_keys_that_do_not_fit_and_hides_the_secret() -> Non
 
 @pytest.mark.parametrize(
     "endpoint",
-    ["tcp://127.0.0.1:*", "tcp://localhost:*", "tcp://[::1]:*", "tcp://0.0.0.0:*", "tcp://*:*"],
+    [
+        "tcp://127.0.0.1:*",
+        "tcp://localhost:*",
+        "tcp://[::1]:*",
+        "tcp://0.0.0.0:*",
+        "tcp://*:*",
+        "TCP://0.0.0.0:*",
+    ],
 )
 async def test_tcp_without_keys_is_refused_on_every_address(endpoint: str) -> None:
     for make in (ZmqListener, ZmqChannel.connect):

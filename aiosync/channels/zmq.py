@@ -144,7 +144,7 @@ def curve_keys(endpoint: str, auth: ChannelAuth | None, *, binding: bool) -> Cha
         except AiosyncError as exc:
             raise AiosyncError(f"cannot {role} {endpoint} with CURVE: {exc.reason}") from None
         return auth
-    scheme = endpoint.partition("://")[0] if "://" in endpoint else ""
+    scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""
     if scheme in _LOCAL_SCHEMES or scheme not in _NETWORK_SCHEMES:
         return None
     insecure = auth is not None and auth.insecure_loopback
