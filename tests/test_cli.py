@@ -313,3 +313,35 @@ def test_python_dash_m_aiosync_and_aiosync_cli_are_the_same_command() -> None:
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith("usage: aiosync")
+
+
+def test_roles_over_tcp_need_keys_and_stream_with_them(tmp_path: Path) -> None:
+    """The engine binds tcp with its keypair and lets the trainer's key in; without keys the
+    trainer is refused before it sends anything."""
+    for name in ("engine", "trainer"):
+        assert aiosync("keygen", str(tmp_path), "--name", name).returncode == 0
+    plain = aiosync("trainer", "--endpoint", "tcp://127.0.0.1:1", "--size-mb", "1")
+    assert plain.returncode != 0
+    assert "tcp" in plain.stderr
+    keys = {
+        "--keypair": str(tmp_path / "engine.key_secret"),
+        "--allow": str(tmp_path / "trainer.key"),
+    }
+    engine = start(
+        "engine", "--endpoint", "tcp://127.0.0.1:0", "--size-mb", "2", "--versions", "2",
+        "--verify", *[part for pair in keys.items() for part in pair],
+    )  # fmt: skip
+    try:
+        assert engine.stdout is not None
+        ready = json.loads(engine.stdout.readline())
+        trainer = aiosync(
+            "trainer", "--endpoint", ready["endpoint"], "--size-mb", "2", "--versions", "2",
+            "--keypair", str(tmp_path / "trainer.key_secret"),
+            "--server-key", str(tmp_path / "engine.key"),
+        )  # fmt: skip
+        assert trainer.returncode == 0, trainer.stderr
+        assert engine.wait(timeout=60) == 0
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()

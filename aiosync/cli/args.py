@@ -173,6 +173,27 @@ def _model(parser: argparse.ArgumentParser, *, timeout_help: str) -> None:
     )
 
 
+def _keys(parser: argparse.ArgumentParser, *, binds: bool) -> None:
+    parser.add_argument(
+        "--keypair",
+        metavar="FILE",
+        help="this side's CURVE secret key file (from aiosync keygen); tcp:// needs keys",
+    )
+    if binds:
+        parser.add_argument(
+            "--allow",
+            metavar="PATH",
+            help="public key file, or directory of them, of the trainers let in",
+        )
+    else:
+        parser.add_argument("--server-key", metavar="FILE", help="the engine's public key file")
+    parser.add_argument(
+        "--insecure-loopback",
+        action="store_true",
+        help="allow plain tcp on 127.0.0.1 without keys (any local user can then connect)",
+    )
+
+
 def _buffers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--buffers", type=positive_int, default=2, help="shared buffers the trainer fills in turn"
@@ -265,6 +286,7 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     )
     _model(trainer, timeout_help=PEER_WAIT)
     _buffers(trainer)
+    _keys(trainer, binds=False)
 
     engine = _subparser(
         sub,
@@ -291,6 +313,7 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     engine.add_argument(
         "--verify", action="store_true", help="repeat the trainer's steps and check each version"
     )
+    _keys(engine, binds=True)
 
     keygen = _subparser(
         sub,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from aiosync.cli.args import MiB
+from aiosync.cli.args import CommandError, MiB
 
 log = logging.getLogger("aiosync.cli")
 
@@ -93,6 +93,27 @@ class LoopWatch:
         return longest * 1e3
 
 
+def channel_auth(args: argparse.Namespace) -> Any:
+    """The role's channel keys, from ``--keypair`` with ``--allow`` or ``--server-key``.
+
+    ``--insecure-loopback`` alone allows plain tcp on loopback; with none of them, None
+    (the default ``ipc://`` needs no keys).
+    """
+    from aiosync.channels.keys import ChannelAuth
+
+    if args.keypair:
+        allow = getattr(args, "allow", None)
+        if allow is not None:
+            return ChannelAuth.server(args.keypair, allow)
+        server_key = getattr(args, "server_key", None)
+        if server_key is None:
+            raise CommandError("--keypair needs --allow (engine) or --server-key (trainer)")
+        return ChannelAuth.client(args.keypair, server_key)
+    if args.insecure_loopback:
+        return ChannelAuth(insecure_loopback=True)
+    return None
+
+
 def trainer(args: argparse.Namespace) -> int:
     """Send ``args.versions`` versions (0: until stopped) of a synthetic model to every engine."""
     import torch
@@ -119,7 +140,9 @@ def trainer(args: argparse.Namespace) -> int:
     async def main() -> None:
         watch = LoopWatch()
         async with (
-            WeightSender(args.endpoint, device=device, config=config) as sender,
+            WeightSender(
+                args.endpoint, device=device, config=config, auth=channel_auth(args)
+            ) as sender,
             asyncio.TaskGroup() as tasks,
         ):
             beating = tasks.create_task(watch.run())
@@ -223,7 +246,9 @@ def engine(args: argparse.Namespace) -> int:
 
         config = ReceiverConfig(stream_timeout=args.timeout)
         async with (
-            WeightReceiver(sink, args.endpoint, config=config, on_commit=on_commit) as rx,
+            WeightReceiver(
+                sink, args.endpoint, config=config, on_commit=on_commit, auth=channel_auth(args)
+            ) as rx,
             asyncio.TaskGroup() as tasks,
         ):
             beating = tasks.create_task(watch.run())
