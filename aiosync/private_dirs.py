@@ -4,8 +4,8 @@
 directory, mode 0700, where ``pidns`` identifies the creator's PID namespace and ``pid`` is
 the creator itself. The creator removes its directory when done; one left by a process that
 was killed before it could is removed by :func:`sweep_stale_dirs`, which every
-:func:`make_private_dir` runs first, as :func:`aiosync.planes.shm.sweep_stale_segments` does
-for shared-memory segments.
+:func:`make_private_dir` runs first, as
+:func:`aiosync.planes.shm_files.sweep_stale_segments` does for shared-memory segments.
 
 A directory is swept only when all of these hold: its whole name has the form above, its
 pid namespace is this process's (a pid from another namespace, say another container

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import aiosync.pipeline
-import aiosync.planes.shm as shm
+import aiosync.planes.memfd as memfd
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import (
     ALIGNMENT,
@@ -33,17 +33,15 @@ from aiosync.core.layout import (
 )
 from aiosync.core.wire import ShmHandle, ShmPlaneSpec
 from aiosync.planes import create_sender_plane, open_receiver_plane
+from aiosync.planes.memfd import BACKEND_ENV, memfd_available
 from aiosync.planes.shm import (
-    BACKEND_ENV,
-    SHM_DIR,
     Backend,
     ShmReceiverPlane,
     ShmSegment,
     ShmSenderPlane,
-    memfd_available,
     open_segment,
-    sweep_stale_segments,
 )
+from aiosync.planes.shm_files import SHM_DIR, sweep_stale_segments
 from aiosync.private_dirs import pid_namespace
 from aiosync.runtime import child_env
 from tests.models import mixed_weights
@@ -159,7 +157,7 @@ def test_the_environment_picks_the_planes_backend(monkeypatch: pytest.MonkeyPatc
 
 def test_without_memfds_a_plane_falls_back_to_files(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    monkeypatch.setattr(shm, "_memfd_device", lambda: None)
+    monkeypatch.setattr(memfd, "_memfd_device", lambda: None)
     plane = ShmSenderPlane(1, CAPACITY)
     try:
         assert plane._segments[0].backend == "file"

@@ -28,17 +28,13 @@ from typing import Any
 import pytest
 import torch
 
+import aiosync.planes.memfd as memfd
 import aiosync.planes.shm as shm
 from aiosync.core.errors import AiosyncError
 from aiosync.core.wire import ShmHandle, ShmPlaneSpec
-from aiosync.planes.shm import (
-    SHM_DIR,
-    ShmReceiverPlane,
-    ShmSegment,
-    ShmSenderPlane,
-    memory_free,
-    sweep_stale_segments,
-)
+from aiosync.planes.memfd import memory_free
+from aiosync.planes.shm import ShmReceiverPlane, ShmSegment, ShmSenderPlane
+from aiosync.planes.shm_files import SHM_DIR, sweep_stale_segments
 from aiosync.private_dirs import pid_namespace
 from aiosync.runtime import child_env
 
@@ -373,9 +369,9 @@ def test_a_memfd_on_another_filesystem_is_refused(monkeypatch: pytest.MonkeyPatc
     huge pages run out; an engine maps only memfds of the filesystem its own are on."""
     with hostile_memfd() as handle:
         receive(handle)  # as made, it passes
-        real = shm._memfd_device()
+        real = memfd._memfd_device()
         assert real is not None
-        monkeypatch.setattr(shm, "_memfd_device", lambda: real + 1)
+        monkeypatch.setattr(memfd, "_memfd_device", lambda: real + 1)
         with pytest.raises(AiosyncError, match="not an ordinary memfd"):
             receive(handle)
 

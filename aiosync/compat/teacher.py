@@ -17,7 +17,7 @@ registry keyed by the storage's data pointer, so callers hold nothing but the te
 handle. A CPU segment's name stays in ``/dev/shm`` until the storage is replaced (the old
 name is unlinked then), :func:`release_teacher_ipc_buffer` is called, or the process exits
 normally; names left by killed processes are swept by
-:func:`aiosync.planes.shm.sweep_stale_segments`.
+:func:`aiosync.planes.shm_files.sweep_stale_segments`.
 
 :func:`aggregate_per_sample_handles` flattens the per-sample handles that DP x TP x CP
 teacher workers return into one list in global-batch order.

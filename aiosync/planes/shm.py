@@ -6,64 +6,27 @@ size) from which another process on this machine reaches the same memory. No soc
 An engine must not trust the handle: the peer that sent it may name a file it planted, swap
 a name between a check and a map, or shrink the file under the engine's mapping (a read of
 a mapped page past the end of a file kills the process with SIGBUS; no Python error).
-ZMQ cannot pass descriptors, so the design is:
+ZMQ cannot pass descriptors, so a segment is one of two kinds, each in its own module,
+which says how it is made and how an engine opens and checks it:
 
-Sealed memfds (what a trainer's data plane makes by default)
-    The creator makes an anonymous ``memfd_create`` file, mode 0600, takes its memory now
-    (``posix_fallocate``) and seals it with ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``:
-    from then on nobody, the creator included, can change its size. It keeps the descriptor
-    open; the handle's name says where an engine finds it,
-    ``aiosync-memfd-<pidns>-<pid>-<fd>-<token>``, that is ``/proc/<pid>/fd/<fd>``. The
-    engine refuses the name unless ``pidns`` is its own PID namespace, opens that path with
-    ``O_PATH`` (which has no effect on whatever file it is: no device is opened, no FIFO
-    waited on), and checks the descriptor: a regular file owned by this user, mode 0600,
-    exactly the claimed size (within the caller's limit), the very memfd the creator named
-    (``/memfd:aiosync-<pidns>-<pid>-<token>``, so a descriptor number reused for another
-    file is refused), on the filesystem of this process's own memfds (not hugetlbfs, whose
-    holes can fault), and sealed as above (``F_GET_SEALS``). It then reopens that checked
-    descriptor read-write (``/proc/self/fd``, our own descriptor, which nobody else can
-    change), checks it again, and maps it with :mod:`mmap`; nothing is opened by name
-    again. A sealed segment cannot shrink, so a mapped bucket can never fault. Zero copies.
-    Memfds need no name in ``/dev/shm``: a killed trainer leaves nothing behind and the
-    size of ``/dev/shm`` does not matter (the memory counts against the machine's and the
-    container's memory instead). Both processes must be the same user in one PID namespace.
+- a sealed memfd (:mod:`aiosync.planes.memfd`), what a trainer's data plane makes by
+  default: it cannot shrink, so an engine maps it (zero copies);
+- a file in ``/dev/shm`` (:mod:`aiosync.planes.shm_files`), the fallback: it can shrink,
+  so an engine never maps one but reads each bucket out of it (one copy).
 
-Files in ``/dev/shm`` (the fallback)
-    ``aiosync-<pidns>-<pid>-<token>``, made with ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode
-    0600, reserved with ``posix_fallocate`` after a ``statvfs`` check. A data plane makes
-    these where memfds cannot be made and sealed, or when ``AIOSYNC_SHM_BACKEND=file`` asks
-    for them (an engine in another PID namespace that shares this ``/dev/shm``); they are
-    also :meth:`ShmSegment.create`'s default. A file cannot be sealed, so an
-    engine never maps one: :class:`ShmReceiverPlane` opens the name once, relative to a
-    descriptor of ``/dev/shm``, with ``O_NOFOLLOW`` and without ``O_CREAT``, checks the
-    descriptor (regular file, this user's, mode 0600, one link, the claimed size) and reads
-    each bucket with ``preadv`` from that descriptor into its own buffer, after checking
-    the size again: a file shrunk at any moment makes a short read and an
-    :class:`AiosyncError`, never a SIGBUS. The price is one copy per bucket on the engine
-    (about the cost of a memcpy) and the engine's own buffer per segment.
-    :meth:`ShmSegment.attach` does map such a file (the teacher buffers of
-    :mod:`aiosync.compat.teacher` share writes both ways): its creator must be trusted not
-    to shrink it.
-
-The sender unlinks its files when it closes; :func:`sweep_stale_segments` removes those
-left by killed processes of this PID namespace (a pid from another namespace, say another
-container sharing ``/dev/shm``, says nothing here) whenever a segment is made or an
-engine's plane closes. docs/security.md ("Shared memory") says the same for operators.
+This module holds what spans both kinds: :class:`ShmSegment` (making, mapping and closing
+a segment of either kind), :func:`open_segment` (opening a peer's segment by name, checked
+on the descriptor), the choice of kind for a trainer's plane (``AIOSYNC_SHM_BACKEND``), and
+the two planes, :class:`ShmSenderPlane` and :class:`ShmReceiverPlane`. docs/security.md
+("Shared memory") says the same for operators.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import functools
 import logging
-import mmap
 import os
-import re
 import secrets
-import stat
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -71,112 +34,35 @@ import torch
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import ShmHandle, ShmPlaneSpec
-from aiosync.private_dirs import pid_alive, pid_namespace
+from aiosync.planes.memfd import (
+    _MEMFD_NAME,
+    BACKEND_ENV,
+    _create_memfd,
+    _open_memfd_segment,
+    memfd_available,
+)
+from aiosync.planes.shm_files import (
+    _FILE_NAME,
+    SHM_DIR,
+    _check_size,
+    _check_used,
+    _CopiedBuffer,
+    _create_file,
+    _map,
+    _open_file_segment,
+    _shown,
+    sweep_stale_segments,
+)
+from aiosync.private_dirs import pid_namespace
 
 log = logging.getLogger(__name__)
 
 Backend = Literal["memfd", "file"]
 
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "aiosync-"
-MEMFD_PREFIX = "aiosync-memfd-"
-BACKEND_ENV = "AIOSYNC_SHM_BACKEND"
-"""Environment variable choosing how a trainer's data plane makes segments: memfd or file."""
-
-MODE = 0o600
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_F_SEAL_FUTURE_WRITE = 0x0010  # not exported by Python 3.11's fcntl
-_WRITE_SEALS = fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE
-# Bounded digit counts: a planted name can't make int() slow or os.kill overflow.
-_FILE_NAME = re.compile(r"aiosync-(\d{1,20})-(\d{1,10})-([0-9a-f]{16})")
-_MEMFD_NAME = re.compile(r"aiosync-memfd-(\d{1,20})-([1-9]\d{0,9})-(0|[1-9]\d{0,9})-([0-9a-f]{16})")
-_SHOWN = 80  # characters of a peer-chosen name that an error repeats
-
-
-def _shown(name: object) -> str:
-    text = str(name)
-    return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "...")
-
-
-def _open_directory(path: str | Path) -> int:
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-
 
 # --------------------------------------------------------------------------------------
-# the stale-segment sweep
+# the kind of segment a trainer's plane makes
 # --------------------------------------------------------------------------------------
-
-
-def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink files whose creating process no longer exists; returns their names.
-
-    Best effort, and never raises: only entries whose whole name is a segment's, made in
-    this PID namespace by a pid that no longer exists, that are regular files (looked at
-    without following symlinks) owned by this user, are removed. Anything else, and every
-    error, is left alone.
-    """
-    removed: list[str] = []
-    namespace = pid_namespace()
-    if namespace == 0:  # without /proc no pid can be judged dead
-        return removed
-    uid = os.geteuid()
-    try:
-        dirfd = _open_directory(shm_dir)
-    except OSError:
-        return removed
-    try:
-        with os.scandir(dirfd) as entries:
-            for entry in entries:
-                match = _FILE_NAME.fullmatch(entry.name)
-                if not match or int(match.group(1)) != namespace:
-                    continue
-                if pid_alive(int(match.group(2))):
-                    continue
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                    if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
-                        continue
-                    # unlink never follows a symlink; /dev/shm is sticky, so no other user
-                    # can swap our file for theirs between the lstat and here.
-                    os.unlink(entry.name, dir_fd=dirfd)
-                except OSError:
-                    continue
-                removed.append(entry.name)
-    except OSError:
-        pass
-    finally:
-        os.close(dirfd)
-    if removed:
-        log.warning("removed %d shared-memory segments left by dead processes", len(removed))
-    return removed
-
-
-# --------------------------------------------------------------------------------------
-# making segments
-# --------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _memfd_device() -> int | None:
-    """``st_dev`` of this process's sealed memfds; ``None`` if it cannot make them."""
-    if not hasattr(os, "memfd_create"):
-        return None
-    try:
-        fd = os.memfd_create("aiosync-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except OSError:
-        return None
-    try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        return os.fstat(fd).st_dev
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def memfd_available() -> bool:
-    """Whether segments can be sealed memfds here (and their pids mean something)."""
-    return _memfd_device() is not None and pid_namespace() != 0
 
 
 def _backend(requested: Backend | None) -> Backend:
@@ -202,265 +88,9 @@ def _warn_fallback() -> None:
     )
 
 
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _cgroup_headroom() -> int | None:
-    """Bytes this process's memory cgroup can still take (limit - usage + inactive files)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    found: list[int] = []
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and not controllers:
-            base, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory")
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-        else:
-            continue
-        # inside a container the hierarchy is usually mounted at the container's own cgroup
-        for directory in (base / path.lstrip("/"), base):
-            try:
-                limit = (directory / names[0]).read_text().strip()
-                usage = int((directory / names[1]).read_text())
-                if limit == "max":
-                    break
-                inactive = 0
-                for stat_line in (directory / "memory.stat").read_text().splitlines():
-                    key, _, value = stat_line.partition(" ")
-                    if key == names[2]:
-                        inactive = int(value)
-                found.append(max(0, int(limit) - usage + inactive))
-                break
-            except (OSError, ValueError):
-                continue
-    return min(found) if found else None
-
-
-def memory_free() -> int | None:
-    """Bytes a new memfd can take: available memory, or the cgroup's headroom if less."""
-    known = [n for n in (_meminfo_available(), _cgroup_headroom()) if n is not None]
-    return min(known) if known else None
-
-
-def _check_free(size: int, free: int | None, where: str) -> None:
-    if free is not None and size > free:
-        raise AiosyncError(
-            f"cannot reserve {size} bytes of shared memory: {where} has {free} bytes free "
-            "(see 'Shared memory' in docs/security.md for sizing it)"
-        )
-
-
-def _reserve(fd: int, size: int, where: str, free: int | None) -> None:
-    """Size a new segment and take its memory now, so a lack of memory fails here.
-
-    ``ftruncate`` alone leaves the file sparse: on a small ``/dev/shm`` (64 MiB in a
-    default container) the first write past what is free would kill the process (SIGBUS).
-    """
-    try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        raise AiosyncError(
-            f"cannot reserve {size} bytes of shared memory ({exc.strerror}); "
-            f"{where} had {free if free is not None else 'an unknown number of'} bytes free"
-        ) from None
-
-
-def _map(fd: int, size: int) -> torch.Tensor:
-    """Map ``size`` bytes of ``fd``, shared and read-write, as a flat ``uint8`` tensor.
-
-    The tensor holds the only reference to the ``mmap`` object, which unmaps when the last
-    view of the tensor goes. Never close that object: ``torch.frombuffer`` does not keep
-    the buffer exported, so ``mmap.close()`` would unmap the pages under the tensor.
-    """
-    region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(region, dtype=torch.uint8)
-
-
 # --------------------------------------------------------------------------------------
-# opening a peer's segment: every check on the descriptor
+# opening a peer's segment
 # --------------------------------------------------------------------------------------
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
-def _check_size(name: str, size: object, max_size: int | None) -> int:
-    if not isinstance(size, int) or isinstance(size, bool):
-        raise AiosyncError(f"shared-memory segment {_shown(name)} has no integer size")
-    if size <= 0:
-        raise AiosyncError(f"shared-memory segment {_shown(name)} claims {size} bytes")
-    if max_size is not None and size > max_size:
-        raise AiosyncError(
-            f"shared-memory segment {_shown(name)} claims {size} bytes, over the limit of "
-            f"{max_size}"
-        )
-    return size
-
-
-def _check_descriptor(fd: int, name: str, size: int, *, links: int | None) -> os.stat_result:
-    """Refuse anything but this user's regular file, mode 0600, of exactly ``size`` bytes."""
-    info = os.fstat(fd)
-    shown = _shown(name)
-    if not stat.S_ISREG(info.st_mode):
-        raise AiosyncError(f"shared-memory segment {shown} is {_kind(info.st_mode)}")
-    uid = os.geteuid()
-    if info.st_uid != uid:
-        raise AiosyncError(
-            f"shared-memory segment {shown} is owned by uid {info.st_uid}, not this user ({uid})"
-        )
-    if stat.S_IMODE(info.st_mode) != MODE:
-        raise AiosyncError(
-            f"shared-memory segment {shown} has mode {stat.S_IMODE(info.st_mode):o}, not 600"
-        )
-    if links is not None and info.st_nlink != links:
-        if info.st_nlink == 0:
-            raise AiosyncError(f"shared-memory segment {shown} was removed as it was opened")
-        raise AiosyncError(f"shared-memory segment {shown} has {info.st_nlink} names, not 1")
-    if info.st_size != size:
-        raise AiosyncError(f"shared-memory segment {shown} holds {info.st_size} bytes, not {size}")
-    return info
-
-
-def _open_file_segment(name: str, size: int, *, writable: bool) -> int:
-    """Open ``/dev/shm/<name>`` once, without following links or creating; checked."""
-    shown = _shown(name)
-    try:
-        dirfd = _open_directory(SHM_DIR)
-    except OSError as exc:
-        raise AiosyncError(f"cannot open {SHM_DIR} as a directory: {exc.strerror}") from None
-    try:
-        access = os.O_RDWR if writable else os.O_RDONLY
-        flags = access | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
-        fd = os.open(name, flags, dir_fd=dirfd)
-    except FileNotFoundError:
-        raise AiosyncError(f"shared-memory segment {shown} does not exist") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            what = "is a symbolic link (segments are never followed)"
-        elif exc.errno == errno.EISDIR:
-            what = "is a directory"
-        else:
-            what = f"cannot be opened ({exc.strerror})"
-        raise AiosyncError(f"shared-memory segment {shown} {what}") from None
-    finally:
-        os.close(dirfd)
-    try:
-        _check_descriptor(fd, name, size, links=1)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_memfd_segment(name: str, size: int, match: re.Match[str]) -> int:
-    """Open the sealed memfd ``/proc/<pid>/fd/<fd>`` that ``name`` points at; checked."""
-    shown = _shown(name)
-    namespace, pid, number, token = (match.group(i) for i in range(1, 5))
-    ours = pid_namespace()
-    if int(namespace) != ours or ours == 0:
-        raise AiosyncError(
-            f"shared-memory segment {shown} was made in another PID namespace ({namespace}, "
-            f"this process is in {ours}); memfd segments need the creator and the engine in "
-            f"one PID namespace (or make file segments: {BACKEND_ENV}=file)"
-        )
-    device = _memfd_device()
-    if device is None:
-        raise AiosyncError(f"cannot check memfd segment {shown}: this process has no memfds")
-    try:
-        dirfd = _open_directory(f"/proc/{pid}/fd")
-    except FileNotFoundError:
-        raise AiosyncError(
-            f"shared-memory segment {shown} does not exist (its creator, pid {pid}, is gone)"
-        ) from None
-    except OSError as exc:
-        raise AiosyncError(
-            f"shared-memory segment {shown}: cannot reach pid {pid}'s descriptors "
-            f"({exc.strerror}; another user's process?)"
-        ) from None
-    try:
-        # O_PATH follows the /proc link without opening the file for I/O: whatever the
-        # peer points at (a device, a FIFO, a socket), nothing happens to it.
-        path_fd = os.open(number, os.O_PATH | os.O_CLOEXEC, dir_fd=dirfd)
-    except FileNotFoundError:
-        raise AiosyncError(
-            f"shared-memory segment {shown} does not exist (pid {pid} has no descriptor {number})"
-        ) from None
-    except OSError as exc:
-        raise AiosyncError(
-            f"shared-memory segment {shown} cannot be reached ({exc.strerror})"
-        ) from None
-    finally:
-        os.close(dirfd)
-    try:
-        # Is it the memfd the creator named? A descriptor number closed and reused for
-        # another file (or one the peer picked at random) is not.
-        found = os.fstat(path_fd)
-        gone = f"shared-memory segment {shown} does not exist: descriptor {number} of pid {pid}"
-        if not stat.S_ISREG(found.st_mode):
-            raise AiosyncError(f"{gone} is {_kind(found.st_mode)}")
-        expected = f"/memfd:{SHM_PREFIX}{namespace}-{pid}-{token} (deleted)"
-        if os.readlink(f"/proc/self/fd/{path_fd}") != expected:
-            raise AiosyncError(f"{gone} is another file")
-        first = _check_descriptor(path_fd, name, size, links=None)
-        fd = os.open(
-            f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
-        )
-    except OSError as exc:
-        raise AiosyncError(
-            f"shared-memory segment {shown} cannot be opened ({exc.strerror})"
-        ) from None
-    finally:
-        os.close(path_fd)
-    try:
-        info = _check_descriptor(fd, name, size, links=None)
-        if (info.st_dev, info.st_ino) != (first.st_dev, first.st_ino):
-            raise AiosyncError(f"shared-memory segment {shown} changed while it was opened")
-        if info.st_dev != device:
-            raise AiosyncError(
-                f"shared-memory segment {shown} is not an ordinary memfd (another filesystem, "
-                "such as hugetlbfs)"
-            )
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        if seals & _SEALS != _SEALS:
-            raise AiosyncError(
-                f"shared-memory segment {shown} is not sealed against shrinking and growing"
-            )
-        if seals & _WRITE_SEALS:
-            raise AiosyncError(f"shared-memory segment {shown} is sealed against writing")
-    except OSError as exc:
-        os.close(fd)
-        raise AiosyncError(
-            f"shared-memory segment {shown} cannot be checked ({exc.strerror})"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def open_segment(
@@ -534,56 +164,14 @@ class ShmSegment:
         token = secrets.token_hex(8)
         stem = f"{pid_namespace()}-{os.getpid()}-{token}"
         if backend == "memfd":
-            return cls._create_memfd(size, stem)
-        return cls._create_file(size, stem)
-
-    @classmethod
-    def _create_memfd(cls, size: int, stem: str) -> ShmSegment:
-        free = memory_free()
-        _check_free(size, free, "memory")
-        fd = os.memfd_create(SHM_PREFIX + stem, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.fchmod(fd, MODE)
-            _reserve(fd, size, "memory", free)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            tensor = _map(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        namespace, pid, token = stem.split("-")
-        name = f"{MEMFD_PREFIX}{namespace}-{pid}-{fd}-{token}"
-        return cls(name, size, tensor, owner=True, backend="memfd", fd=fd)
-
-    @classmethod
-    def _create_file(cls, size: int, stem: str) -> ShmSegment:
-        name = SHM_PREFIX + stem
-        try:
-            dirfd = _open_directory(SHM_DIR)
-        except OSError as exc:
-            raise AiosyncError(f"cannot open {SHM_DIR} as a directory: {exc.strerror}") from None
-        try:
-            vfs = os.fstatvfs(dirfd)
-            free = vfs.f_bavail * vfs.f_frsize
-            _check_free(size, free, str(SHM_DIR))
-            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(name, flags, MODE, dir_fd=dirfd)
-            try:
-                os.fchmod(fd, MODE)  # whatever the umask
-                _reserve(fd, size, str(SHM_DIR), free)
-                tensor = _map(fd, size)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=dirfd)
-                raise
-            finally:
-                os.close(fd)
-        finally:
-            os.close(dirfd)
+            name, fd, tensor = _create_memfd(size, stem)
+            return cls(name, size, tensor, owner=True, backend="memfd", fd=fd)
+        name, tensor = _create_file(size, stem)
         return cls(name, size, tensor, owner=True, backend="file")
 
     @classmethod
     def attach(cls, handle: ShmHandle, *, max_size: int | None = None) -> ShmSegment:
-        """Map a segment another process made, after checking it (see the module docstring).
+        """Map a segment another process made, after checking it (see :func:`open_segment`).
 
         ``max_size``: the most bytes the caller accepts (the claimed size must also be the
         segment's real size, so without it nothing bigger than what exists is mapped).
@@ -642,12 +230,13 @@ class ShmSegment:
 class ShmSenderPlane:
     """A ring of shared-memory segments the trainer packs into; engines open them by name.
 
-    ``backend``: by default :data:`BACKEND_ENV` (``memfd`` or ``file``) if set, else sealed
-    memfds where they can be made, else files (with a warning: engines then copy each
-    bucket out). The segments stay open while the plane is, so engines may join at any
-    time between versions; :meth:`close` closes them. Memfds go with the trainer's
-    process; files of a trainer killed before it could unlink them are removed by the next
-    plane made or closed on this machine (:func:`sweep_stale_segments`).
+    ``backend``: by default :data:`~aiosync.planes.memfd.BACKEND_ENV` (``memfd`` or
+    ``file``) if set, else sealed memfds where they can be made, else files (with a
+    warning: engines then copy each bucket out). The segments stay open while the plane
+    is, so engines may join at any time between versions; :meth:`close` closes them.
+    Memfds go with the trainer's process; files of a trainer killed before it could unlink
+    them are removed by the next plane made or closed on this machine
+    (:func:`~aiosync.planes.shm_files.sweep_stale_segments`).
     """
 
     def __init__(self, count: int, capacity: int, *, backend: Backend | None = None) -> None:
@@ -690,15 +279,6 @@ class ShmSenderPlane:
         self._segments.clear()
 
 
-def _check_used(name: str, size: int, used: object) -> int:
-    if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= size:
-        raise AiosyncError(
-            f"a bucket of {_shown(used)} bytes does not fit shared-memory segment "
-            f"{_shown(name)} of {size}"
-        )
-    return used
-
-
 class _MappedBuffer:
     """A sealed memfd, mapped: a bucket is a view of its first bytes (zero copies)."""
 
@@ -713,64 +293,11 @@ class _MappedBuffer:
         self._segment.close()
 
 
-class _CopiedBuffer:
-    """A file in ``/dev/shm``, never mapped: each bucket is read into this engine's memory.
-
-    A file can shrink at any moment; ``preadv`` then comes back short, which is an error
-    here, where a mapping would have killed the process.
-    """
-
-    def __init__(self, name: str, size: int, fd: int) -> None:
-        self._name = name
-        self._shown = _shown(name)
-        self._size = size
-        self._fd: int | None = fd
-        self._copy: torch.Tensor | None = None
-
-    def view(self, used: int) -> torch.Tensor:
-        used = _check_used(self._name, self._size, used)
-        if self._fd is None:
-            raise AiosyncError(f"shared-memory segment {self._shown} is closed")
-        try:
-            actual = os.fstat(self._fd).st_size
-        except OSError as exc:
-            raise AiosyncError(
-                f"shared-memory segment {self._shown} cannot be read ({exc.strerror})"
-            ) from None
-        if actual != self._size:
-            raise AiosyncError(
-                f"shared-memory segment {self._shown} now holds {actual} bytes, not "
-                f"{self._size}: its creator resized it"
-            )
-        if self._copy is None:
-            self._copy = torch.empty(self._size, dtype=torch.uint8)
-        out = self._copy[:used]
-        target = out.numpy().data  # a writable memoryview of these bytes
-        done = 0
-        while done < used:
-            try:
-                got = os.preadv(self._fd, [target[done:]], done)
-            except OSError as exc:
-                raise AiosyncError(
-                    f"shared-memory segment {self._shown} cannot be read ({exc.strerror})"
-                ) from None
-            if got == 0:
-                raise AiosyncError(
-                    f"shared-memory segment {self._shown} shrank below {used} bytes while "
-                    "a bucket was read from it"
-                )
-            done += got
-        return out
-
-    def close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-        self._copy = None
-
-
 class ShmReceiverPlane:
-    """An engine's hold on a sender's segments, opened as the module docstring describes.
+    """An engine's hold on a sender's segments: sealed memfds mapped, files read (one copy).
+
+    Each segment is opened and checked as :mod:`aiosync.planes.memfd` (memfds) or
+    :mod:`aiosync.planes.shm_files` (files in ``/dev/shm``) describes.
 
     ``max_buffers`` and ``max_bytes`` bound what one peer's plane may name (an engine passes
     its limits; ``None``: no bound here beyond the segments' real sizes). Anything refused
