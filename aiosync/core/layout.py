@@ -298,23 +298,35 @@ def _pack_one(
     copy_bytes(dst, src)
 
 
-def validate_specs(specs: Sequence[TensorSpec], used: int, capacity: int) -> None:
+def validate_specs(
+    specs: Sequence[TensorSpec],
+    used: int,
+    capacity: int,
+    totals: Sequence[int] | None = None,
+) -> list[int]:
     """Check that specs describe a well-formed bucket of ``used`` bytes in a buffer.
 
     Offsets must be aligned, ascending and non-overlapping; byte ranges must lie inside
     both the buffer and the tensor they belong to. Raises :class:`ProtocolError` naming
-    the first bad tensor.
+    the first bad tensor. Returns each spec's whole-tensor size, for the caller to reuse;
+    ``totals`` gives them ahead (from a checked manifest), which skips the dtype and shape
+    checks.
     """
     if not 0 <= used <= capacity:
         raise ProtocolError(f"bucket claims {used} bytes of a {capacity}-byte buffer")
     end = 0
-    for spec in specs:
-        try:
-            total = spec.total_nbytes
-        except ProtocolError as exc:
-            raise ProtocolError(exc.reason, tensor=spec.name) from None
-        if any(dim < 0 for dim in spec.shape):
-            raise ProtocolError("negative dimension in shape", tensor=spec.name)
+    sizes = list(totals) if totals is not None else []
+    for i, spec in enumerate(specs):
+        if totals is not None:
+            total = sizes[i]
+        else:
+            try:
+                total = spec.total_nbytes
+            except ProtocolError as exc:
+                raise ProtocolError(exc.reason, tensor=spec.name) from None
+            if any(dim < 0 for dim in spec.shape):
+                raise ProtocolError("negative dimension in shape", tensor=spec.name)
+            sizes.append(total)
         if spec.offset % ALIGNMENT or spec.offset < end:
             raise ProtocolError(f"misaligned or overlapping offset {spec.offset}", tensor=spec.name)
         if spec.nbytes < 0 or spec.start < 0 or spec.start + spec.nbytes > total:
@@ -328,6 +340,7 @@ def validate_specs(specs: Sequence[TensorSpec], used: int, capacity: int) -> Non
                 tensor=spec.name,
             )
         end = spec.offset + spec.nbytes
+    return sizes
 
 
 def spec_bytes(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

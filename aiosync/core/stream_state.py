@@ -47,19 +47,24 @@ class StreamState:
     tensors: int = 0
     done: set[str] = field(default_factory=set)
     partial: dict[str, tuple[TensorSpec, int]] = field(default_factory=dict)  # last, pieces
+    _totals: list[int] | None = field(default=None, repr=False)  # manifest entries' sizes
 
     def resolve(self, bucket: Bucket, sizes: list[int]) -> list[TensorSpec]:
         """The specs of ``bucket`` once every check passes; records their bytes as received."""
         if not 0 <= bucket.buffer < len(sizes):
             raise ProtocolError(f"no buffer {bucket.buffer}")
-        specs, planned = self._specs(bucket)
-        validate_specs(specs, bucket.used, sizes[bucket.buffer])
+        specs, planned, totals = self._specs(bucket)
+        totals = validate_specs(specs, bucket.used, sizes[bucket.buffer], totals)
         in_bucket: set[str] = set()
-        for spec, chunks in zip(specs, planned, strict=True):
-            self._track(spec, chunks, in_bucket)
+        for spec, chunks, total in zip(specs, planned, totals, strict=True):
+            self._track(spec, chunks, total, in_bucket)
         return specs
 
-    def _specs(self, bucket: Bucket) -> tuple[list[TensorSpec], list[int | None]]:
+    def _specs(self, bucket: Bucket) -> tuple[list[TensorSpec], list[int | None], list[int] | None]:
+        """The bucket's specs, the pieces each tensor was announced in, and its sizes.
+
+        Sizes (of each whole tensor) are known ahead only with a manifest, checked at begin.
+        """
         manifest = self.manifest
         if manifest is None:
             if bucket.slots:
@@ -67,23 +72,35 @@ class StreamState:
             if self.expectations is not None:
                 for spec in bucket.specs:
                     self.expectations.check(spec)
-            return bucket.specs, [None] * len(bucket.specs)
+            return bucket.specs, [None] * len(bucket.specs), None
         if bucket.specs:
             raise ProtocolError("bucket repeats names although the version has a manifest")
+        if self._totals is None:
+            self._totals = [
+                TensorSpec(m.name, m.dtype, m.shape, 0, 0).total_nbytes for m in manifest
+            ]
         specs: list[TensorSpec] = []
         planned: list[int | None] = []
+        totals: list[int] = []
         for slot in bucket.slots:
-            if not 0 <= slot.entry < len(manifest):
-                raise ProtocolError(f"no manifest entry {slot.entry}")
-            meta = manifest[slot.entry]
+            entry = slot.entry
+            if not 0 <= entry < len(manifest):
+                raise ProtocolError(f"no manifest entry {entry}")
+            meta = manifest[entry]
             specs.append(
                 TensorSpec(meta.name, meta.dtype, meta.shape, slot.offset, slot.nbytes, slot.start)
             )
             planned.append(meta.chunks)
-        return specs, planned
+            totals.append(self._totals[entry])
+        return specs, planned, totals
 
-    def _track(self, spec: TensorSpec, planned: int | None, in_bucket: set[str]) -> None:
-        """Record one spec's bytes: each tensor once, its chunks in order and of one kind."""
+    def _track(
+        self, spec: TensorSpec, planned: int | None, total: int, in_bucket: set[str]
+    ) -> None:
+        """Record one spec's bytes: each tensor once, its chunks in order and of one kind.
+
+        ``total`` is the size of the whole tensor the spec belongs to.
+        """
         name = spec.name
         if name in self.done or name in in_bucket:
             raise ProtocolError("tensor sent twice", tensor=name)
@@ -96,9 +113,10 @@ class StreamState:
             )
         if previous is not None and (previous.dtype, previous.shape) != (spec.dtype, spec.shape):
             raise ProtocolError("chunks disagree on dtype or shape", tensor=name)
-        if not spec.is_whole and self.expectations is not None:
+        whole = spec.start == 0 and spec.nbytes == total
+        if not whole and self.expectations is not None:
             self.expectations.check_chunked(name)
-        if not spec.is_last_chunk:
+        if spec.start + spec.nbytes != total:  # not the last piece
             self.partial[name] = (spec, pieces + 1)
             return
         self.partial.pop(name, None)
