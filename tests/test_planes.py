@@ -460,13 +460,22 @@ def test_plane_factories_pick_shared_memory_on_the_cpu() -> None:
 # the pipeline knows only the interfaces
 # --------------------------------------------------------------------------------------
 
-IMPLEMENTATIONS = ("zmq", "aiosync.planes.shm", "aiosync.planes.cuda_ipc", "aiosync.channels.zmq")
+IMPLEMENTATIONS = (
+    "zmq",
+    "aiosync.planes.shm",
+    "aiosync.planes.shm_files",
+    "aiosync.planes.memfd",
+    "aiosync.planes.cuda_ipc",
+    "aiosync.channels.zmq",
+    "aiosync.channels.zmq_common",
+    "aiosync.channels.zmq_listener",
+)
 
 
 def test_importing_the_pipeline_loads_no_channel_or_plane_implementation() -> None:
     code = (
         "import json, sys\n"
-        "import aiosync.pipeline.stream, aiosync.pipeline.links\n"
+        "import aiosync.pipeline.stream, aiosync.pipeline.links, aiosync.pipeline.fanout\n"
         "import aiosync.pipeline.ledger, aiosync.pipeline.report\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
