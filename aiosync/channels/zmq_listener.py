@@ -1,0 +1,361 @@
+"""The ROUTER side of the ZMQ channels: :class:`ZmqListener` and its :class:`RouterPeer`.
+
+:class:`ZmqListener` binds a ROUTER and yields a channel per peer identity; its
+:meth:`~ZmqListener.accept` loop is also what delivers every peer's messages (and answers
+CURVE authentication requests through ZAP, RFC 27), so whoever owns a listener keeps one
+task accepting. A listener with keys lets in only the client keys it lists: a peer without
+one never gets a message through.
+
+A listener never waits on a peer: replies go out without blocking, each peer may have at
+most ``send_hwm`` replies queued, and a peer that lets its queue fill (it does not read) is
+dropped with its reply. Peers are named ``peer-1``, ``peer-2``, ... by the listener, never by
+their ZMQ routing ids, which a peer may choose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import anyio
+import zmq
+import zmq.asyncio
+from zmq.utils import z85
+
+from aiosync.channels.keys import ChannelAuth
+from aiosync.channels.zmq_common import (
+    _ipc_path,
+    _refuse_live_ipc,
+    _wants_ipv6,
+    _zmq_error,
+    curve_keys,
+    private_ipc_endpoint,
+)
+from aiosync.core.errors import PeerGoneError, map_exceptions
+
+log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under before the split
+
+PEER_QUEUE = 256
+"""Messages buffered per peer of a listener; beyond that a peer's messages are dropped."""
+
+PEER_SEND_HWM = 256
+"""Replies a listener queues per peer; a peer that lets more pile up is dropped."""
+
+DROPPED_MEMORY = 4096
+"""How many dropped peers' routing ids a listener remembers (their messages are ignored)."""
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect (RFC 27)
+ZAP_DOMAIN = b"aiosync"
+
+_peer_numbers = itertools.count(1)
+
+
+class _Throttled:
+    """A warning logged at most once per ``every`` seconds, with a count of those held back.
+
+    Peers decide how often these happen; a flood of them must not flood the log.
+    """
+
+    def __init__(self, message: str, every: float = 10.0) -> None:
+        self._message = message
+        self._every = every
+        self._next = 0.0
+        self._held = 0
+
+    def __call__(self, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._held += 1
+            return
+        if self._held:
+            log.warning(self._message + " (and %d more since the last report)", *args, self._held)
+        else:
+            log.warning(self._message, *args)
+        self._next = now + self._every
+        self._held = 0
+
+
+class RouterPeer:
+    """One peer of a :class:`ZmqListener`: replies go out through the shared ROUTER."""
+
+    def __init__(
+        self, listener: ZmqListener, identity: bytes, *, delimited: bool, name: str
+    ) -> None:
+        self._listener = listener
+        self.identity = identity  # the ZMQ routing id: for addressing only, never shown
+        self.envelope = (identity, b"") if delimited else (identity,)
+        self._peer = name
+        self._tx, self._rx = anyio.create_memory_object_stream[bytes](PEER_QUEUE)
+        self._lost = anyio.Event()
+        self._dropped = False
+        self._overflow = _Throttled("%s sends faster than it is served; messages dropped")
+
+    @property
+    def peer(self) -> str:
+        """``peer-<n>``, numbered by the listener (unique in this process)."""
+        return self._peer
+
+    @property
+    def window(self) -> int | None:
+        """No limit."""
+        return None
+
+    @property
+    def lost(self) -> anyio.Event:
+        """Set when a reply finds the peer gone, or the peer was dropped for not reading."""
+        return self._lost
+
+    def deliver(self, payload: bytes) -> None:
+        """Queue a message from the peer; dropped (and logged) when the queue is full."""
+        try:
+            self._tx.send_nowait(payload)
+        except anyio.WouldBlock:
+            self._overflow(self._peer)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+
+    def end(self, *, dropped: bool) -> None:
+        """Mark the peer lost; ``dropped``: also discard what it sent and is not yet read."""
+        self._dropped = self._dropped or dropped
+        self._lost.set()
+        self._tx.close()  # a pending recv wakes up
+
+    async def send(self, payload: bytes) -> None:
+        """Reply without waiting; :class:`PeerGoneError` if the peer left or was dropped."""
+        if self._lost.is_set():
+            raise PeerGoneError("peer is gone", peer=self._peer)
+        await self._listener.send_to(self, payload)
+
+    async def recv(self) -> bytes:
+        """The next message the listener's accept loop delivered."""
+        if self._dropped:
+            raise PeerGoneError("peer was dropped", peer=self._peer)
+        try:
+            return await self._rx.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise PeerGoneError("peer channel closed", peer=self._peer) from None
+
+    async def aclose(self) -> None:
+        """Forget the peer; a later message from the same identity makes a new channel."""
+        self._listener.forget(self)
+        self._tx.close()
+        self._rx.close()
+
+
+class ZmqListener:
+    """A bound ROUTER socket; :meth:`accept` yields a :class:`RouterPeer` per new identity.
+
+    ``auth`` gives the keypair and the allowed client keys (CURVE), or allows plain tcp on
+    loopback; ``send_hwm`` bounds the replies queued per peer; ``max_message_bytes``, if
+    given, makes libzmq disconnect a peer that sends a larger message.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        private_dir: Path | None = None,
+        auth: ChannelAuth | None = None,
+        send_hwm: int = PEER_SEND_HWM,
+        max_message_bytes: int | None = None,
+    ) -> None:
+        self._private_dir = private_dir
+        self._errors = _zmq_error(endpoint)
+        self._closed = True  # until bound
+        try:
+            keys = curve_keys(endpoint, auth, binding=True)
+            _refuse_live_ipc(endpoint)
+        except BaseException:
+            self._remove_private_dir()
+            raise
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._zap: zmq.asyncio.Socket | None = None
+        self._allowed: frozenset[bytes] = frozenset()
+        self._peers: dict[bytes, RouterPeer] = {}
+        self._dropped: OrderedDict[bytes, None] = OrderedDict()
+        self._poller = zmq.asyncio.Poller()
+        self._hwm = send_hwm
+        self._bad_frames = _Throttled("dropping a message of %d frames")
+        self._not_reading = _Throttled("%s does not read its replies (%d queued): dropped it")
+        self._refused = _Throttled("refused a %s client from %s (key %s is not allowed)")
+        try:
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._socket.setsockopt(zmq.SNDHWM, send_hwm)
+            self._socket.setsockopt(zmq.IPV6, int(_wants_ipv6(endpoint)))
+            if max_message_bytes is not None:
+                self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            if keys is not None:
+                self._serve_curve(keys)
+            with map_exceptions(self._errors):
+                self._socket.bind(endpoint)
+        except BaseException:
+            self._socket.close(linger=0)
+            if self._zap is not None:
+                self._zap.close(linger=0)
+            self._ctx.term()
+            self._remove_private_dir()
+            raise
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._closed = False
+
+    def _serve_curve(self, keys: ChannelAuth) -> None:
+        """Make the ROUTER a CURVE server whose ZAP handler (answered in accept) is bound first.
+
+        libzmq lets every client key in when no ZAP handler is bound, so the handler lives
+        in this listener's own context, from before the bind until after the close.
+        """
+        public, secret, allowed = keys.server_keys()
+        self._allowed = allowed
+        self._zap = self._ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(ZAP_ENDPOINT)
+        self._poller.register(self._zap, zmq.POLLIN)
+        self._socket.setsockopt(zmq.CURVE_SERVER, 1)
+        self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self._socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+
+    @classmethod
+    def open(
+        cls,
+        endpoint: str | None = None,
+        *,
+        auth: ChannelAuth | None = None,
+        max_message_bytes: int | None = None,
+    ) -> ZmqListener:
+        """Bind ``endpoint``, or ``ipc://`` in a new private directory (removed on close)."""
+        if endpoint is not None:
+            return cls(endpoint, auth=auth, max_message_bytes=max_message_bytes)
+        endpoint, directory = private_ipc_endpoint()
+        return cls(endpoint, private_dir=directory, auth=auth, max_message_bytes=max_message_bytes)
+
+    def _remove_private_dir(self) -> None:
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
+
+    @property
+    def endpoint(self) -> str:
+        """The bound address (with the port chosen for ``tcp://...:0``)."""
+        return self._endpoint
+
+    @property
+    def curve(self) -> bool:
+        """True when peers must authenticate with an allowed CURVE key."""
+        return self._zap is not None
+
+    async def accept(self) -> RouterPeer:
+        """Deliver messages to known peers until one arrives from a new identity.
+
+        Also answers libzmq's authentication requests when keys are in use, so handshakes
+        complete only while some task is accepting.
+        """
+        with map_exceptions(self._errors):
+            while True:
+                if self._zap is not None:
+                    ready = dict(await self._poller.poll())
+                    if self._zap in ready:
+                        await self._answer_zap()
+                    if self._socket not in ready:
+                        continue
+                frames = await self._socket.recv_multipart()
+                # [identity, payload] from a DEALER; [identity, b"", payload] from a REQ
+                delimited = len(frames) == 3 and not frames[1]
+                if len(frames) != 2 and not delimited:
+                    self._bad_frames(len(frames))
+                    continue
+                identity, payload = bytes(frames[0]), bytes(frames[-1])
+                if identity in self._dropped:
+                    continue  # its replies still fill its queue: ignore it
+                known = self._peers.get(identity)
+                if known is not None:
+                    known.deliver(payload)
+                    continue
+                name = f"peer-{next(_peer_numbers)}"
+                peer = RouterPeer(self, identity, delimited=delimited, name=name)
+                self._peers[identity] = peer
+                peer.deliver(payload)
+                return peer
+
+    async def _answer_zap(self) -> None:
+        """Answer every pending ZAP request: only allowed CURVE client keys get in."""
+        assert self._zap is not None
+        with anyio.CancelScope(shield=True):  # a REP must answer what it received
+            while True:
+                try:
+                    request = await self._zap.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                await self._zap.send_multipart(self._zap_reply(request), flags=zmq.NOBLOCK)
+
+    def _zap_reply(self, request: list[bytes]) -> list[bytes]:
+        if len(request) < 6:  # libzmq itself asks; it never sends less
+            return [b"1.0", request[1] if len(request) > 1 else b"", b"400", b"bad", b"", b""]
+        version, request_id, domain, address, _, mechanism, *credentials = request
+        key = b""
+        if mechanism == b"CURVE" and len(credentials) == 1 and len(credentials[0]) == 32:
+            key = z85.encode(credentials[0])
+        if version == b"1.0" and domain == ZAP_DOMAIN and key in self._allowed:
+            return [b"1.0", request_id, b"200", b"OK", key, b""]
+        self._refused(
+            mechanism.decode("ascii", "replace")[:16],
+            address.decode("ascii", "replace")[:64],
+            key.decode("ascii") or "-",
+        )
+        return [b"1.0", request_id, b"400", b"key not allowed", b"", b""]
+
+    async def send_to(self, peer: RouterPeer, payload: bytes) -> None:
+        """Send to one peer without waiting; drop it if its queue of replies is full.
+
+        :class:`PeerGoneError` when the peer has disconnected or was just dropped (the
+        reply is then discarded); any other ZMQ error is an :class:`AiosyncError`.
+        """
+        try:
+            await self._socket.send_multipart([*peer.envelope, payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop(peer, reason="not reading")
+            self._not_reading(peer.peer, self._hwm)
+            raise PeerGoneError("peer does not read its replies; dropped", peer=peer.peer) from None
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._drop(peer, reason=None)
+                raise PeerGoneError("peer disconnected", peer=peer.peer) from None
+            with map_exceptions(self._errors):
+                raise
+
+    def _drop(self, peer: RouterPeer, *, reason: str | None) -> None:
+        """Forget a peer; with a ``reason``, also ignore its routing id from now on."""
+        peer.end(dropped=reason is not None)
+        self.forget(peer)
+        if reason is not None:
+            self._dropped[peer.identity] = None
+            while len(self._dropped) > DROPPED_MEMORY:
+                self._dropped.popitem(last=False)
+
+    def forget(self, peer: RouterPeer) -> None:
+        """Drop a peer's channel (its next message starts a new one)."""
+        if self._peers.get(peer.identity) is peer:
+            del self._peers[peer.identity]
+
+    async def aclose(self) -> None:
+        """Close the sockets and context, and remove an ``ipc://`` socket file."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._peers.values()):
+            await peer.aclose()
+        self._socket.close(linger=0)
+        if self._zap is not None:  # after the ROUTER: no handler means no check at all
+            self._zap.close(linger=0)
+        self._ctx.term()
+        path = _ipc_path(self._endpoint)
+        if path is not None:
+            path.unlink(missing_ok=True)
+        self._remove_private_dir()
