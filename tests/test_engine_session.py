@@ -27,9 +27,9 @@ from aiosync.core.engine_actions import (
     SyncFailure,
 )
 from aiosync.core.engine_session import EngineSession, Phase
-from aiosync.core.limits import Limits
 from aiosync.core.errors import AiosyncError, MismatchError, ProtocolError
 from aiosync.core.layout import TensorSpec, calculate_aligned_size
+from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations, Expected, TensorMeta
 from aiosync.core.wire import (
     GOODBYE_SEQ,
