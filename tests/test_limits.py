@@ -12,10 +12,12 @@ import torch
 from aiosync import (
     CallbackSink,
     ModuleSink,
+    PeerGoneError,
     ReceiverConfig,
     WeightReceiver,
     WeightSender,
 )
+from aiosync.channels.inproc import InprocListener
 from aiosync.channels.zmq import ZmqChannel
 from aiosync.core.engine_actions import Apply, CommitSink, Note, Reply
 from aiosync.core.engine_session import EngineSession
@@ -242,18 +244,27 @@ async def test_a_manifest_past_the_limit_is_left_out_and_the_version_still_strea
     assert all(torch.equal(model[n], t) for n, t in weights.items())
 
 
-async def test_an_oversized_frame_ends_that_session_and_the_engine_keeps_serving() -> None:
+async def test_an_oversized_frame_cuts_that_peer_and_the_engine_keeps_serving() -> None:
+    """ZMQ drops a frame past the limit before the engine allocates it, and the peer's
+    connection with it; an in-process channel has no such guard, and the engine refuses
+    the frame itself."""
     config = ReceiverConfig(limits=Limits(max_message_bytes=4096))
     async with WeightReceiver(CallbackSink(lambda pairs: None), config=config) as receiver:
         channel = ZmqChannel.connect(receiver.endpoint)
         try:
             await channel.send(b"\x00" * 10_000)
-            reply = decode(await channel.recv())
-            assert isinstance(reply, Abort)
-            assert "10000-byte message" in reply.reason
+            with pytest.raises(PeerGoneError):
+                await channel.recv()
         finally:
             await channel.aclose()
-        assert receiver.protocol_errors == 1
         async with WeightSender(receiver.endpoint) as sender:
             await sender.send([("x", torch.ones(3))], version=1)
         assert receiver.current_version == 1
+    listener = InprocListener()
+    async with WeightReceiver(CallbackSink(lambda pairs: None), listener, config=config) as rx:
+        peer = listener.connect()
+        await peer.send(b"\x00" * 10_000)
+        reply = decode(await peer.recv())
+        assert isinstance(reply, Abort)
+        assert "10000-byte message" in reply.reason
+        assert rx.protocol_errors == 1

@@ -190,7 +190,11 @@ class WeightReceiver:
         if isinstance(self._endpoint, str | None):
             from aiosync.channels.zmq import ZmqListener
 
-            self._listener = ZmqListener.open(self._endpoint, auth=self._auth)
+            self._listener = ZmqListener.open(
+                self._endpoint,
+                auth=self._auth,
+                max_message_bytes=self.config.limits.max_message_bytes,
+            )
         else:
             self._listener = self._endpoint
         inbox_tx, inbox_rx = anyio.create_memory_object_stream[tuple[Peer, bytes]](INBOX)
