@@ -8,7 +8,7 @@ A keypair lives in two files made by :func:`generate_keypair` (``aiosync keygen 
 The side that binds is the CURVE server: it has a keypair and the public keys of the
 clients it lets in. A side that connects has a keypair of its own and knows the server's
 public key. Either role may be the engine's or the trainer's. Which endpoints need keys at
-all is decided in :mod:`aiosync.channels.zmq`: ``tcp://`` always does, unless
+all is decided in :mod:`aiosync.channels.zmq_common`: ``tcp://`` always does, unless
 ``insecure_loopback`` is set and the address is a loopback one.
 
 zmq is imported inside the functions, so importing :class:`ChannelAuth` is cheap.
