@@ -20,7 +20,8 @@ from aiosync.core.errors import (
 )
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import EngineOutcome, Policy
-from aiosync.engine.receiver import ReceiverConfig, WeightReceiver
+from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import CallbackSink, ModuleSink, WeightSink
 from aiosync.pipeline.report import SyncProgress, SyncReport
 from aiosync.trainer.sender import SenderConfig, WeightSender

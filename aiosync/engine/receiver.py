@@ -19,7 +19,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import TracebackType
 
 import anyio
@@ -43,8 +42,8 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.limits import Limits
 from aiosync.core.wire import Begin, Bucket, Complete, Message, decode, encode
+from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.sinks import WeightSink
 from aiosync.planes import ReceiverPlane, open_receiver_plane
 from aiosync.runtime import require_asyncio
@@ -55,27 +54,6 @@ IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is near
 BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding runs in a worker thread
 MANY_TENSORS = 256  # tensors beyond which a message's checks run in a worker thread
 INBOX = 64  # messages waiting for the serving loop, from all peers together
-
-
-@dataclass(frozen=True)
-class ReceiverConfig:
-    """Timeouts of a receiver, in seconds.
-
-    ``stream_timeout``: the longest a sender may go without a bucket or commit in the middle
-    of a version before the stream is dropped. ``session_timeout``: the longest a session
-    may go without any message (senders send keepalives while idle) before it is closed and
-    its buffers unmapped. ``reply_timeout`` bounds sending one reply. ``limits`` bound what
-    any one peer may send (sizes, counts, version steps); senders learn them at hello.
-    """
-
-    stream_timeout: float = 60.0
-    session_timeout: float = 60.0
-    reply_timeout: float = 10.0
-    limits: Limits = field(default_factory=Limits)
-
-    def __post_init__(self) -> None:
-        if min(self.stream_timeout, self.session_timeout, self.reply_timeout) <= 0:
-            raise ValueError("receiver timeouts must be positive")
 
 
 class WeightReceiver:
