@@ -778,18 +778,18 @@ async def test_a_refusal_while_buckets_are_in_flight_is_reported_not_raw(
     out. A bucket published in that moment must not surface as anyio.BrokenResourceError
     (it did, about once in 100 refused sends): here the moment is widened, at the await
     where it opens, so the interleaving happens every time."""
-    from aiosync.pipeline.stream import StreamRun
+    from aiosync.pipeline.fanout import BucketFanout
 
-    send_loop = StreamRun._send_loop
+    send_loop = BucketFanout._send_loop
 
-    async def send_loop_that_ends_slowly(self: StreamRun, *args: object) -> None:
+    async def send_loop_that_ends_slowly(self: BucketFanout, *args: object) -> None:
         try:
             await send_loop(self, *args)  # type: ignore[arg-type]
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.sleep(0.5)  # the other stages run here, as they may anyway
 
-    monkeypatch.setattr(StreamRun, "_send_loop", send_loop_that_ends_slowly)
+    monkeypatch.setattr(BucketFanout, "_send_loop", send_loop_that_ends_slowly)
     base = mixed_weights()
     targets = [refusing_target(base), zeros_like(base)][:engines]
 
