@@ -147,20 +147,18 @@ class EngineSession:
         actions = self._drop(peer, "sender reconnected") if peer in self.sessions else []
         low, high = max(PROTOCOL_MIN, hello.protocol_min), min(PROTOCOL_MAX, hello.protocol_max)
         sizes = hello.plane.sizes
-        problem = None
+        problem = self._plane_problem(peer, sizes)
         if low > high:
             problem = (
                 f"protocol versions {hello.protocol_min}-{hello.protocol_max} not supported: "
                 f"this engine speaks {PROTOCOL_MIN}-{PROTOCOL_MAX}"
             )
-        else:
-            problem = self._plane_problem(peer, sizes)
         if problem is not None:
             self.protocol_errors += 1
             return [*actions, Reply(peer, Abort(problem))]
         name = f"{shorten(hello.sender, 64)}@{peer}"
-        session_id = shorten(hello.session, self.limits.max_name_length)
-        self.sessions[peer] = _Session(name, session_id, sizes, high, now, now)
+        session = shorten(hello.session, self.limits.max_name_length)
+        self.sessions[peer] = _Session(name, session, sizes, high, now, now)
         return [*actions, OpenPlane(peer, hello.plane)]
 
     def _plane_problem(self, peer: Peer, sizes: list[int]) -> str | None:
@@ -299,9 +297,12 @@ class EngineSession:
             actions.insert(0, Reply(peer, Ack(version, seq, True)))
         return actions
 
-    def commit_failed(self, peer: Peer, version: int, error: AiosyncError) -> list[Action]:
-        """The sink broke while committing: the weights may be mixed, so not servable."""
-        self.servable = False
+    def commit_failed(
+        self, peer: Peer, version: int, error: AiosyncError, *, touched: bool = True
+    ) -> list[Action]:
+        """The version could not be made live; weights it ``touched`` may be mixed."""
+        if touched:
+            self.servable = False
         session = self.sessions.get(peer)
         if session is None or session.stream is None:
             self.owner = None

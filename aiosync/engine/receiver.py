@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from types import TracebackType
 
 import anyio
@@ -42,9 +43,11 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.wire import Begin, Bucket, Complete, Message, decode, encode
+from aiosync.core.wire import Message, decode, encode
 from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.leases import LeaseGate
 from aiosync.engine.sinks import WeightSink
+from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane
 from aiosync.runtime import require_asyncio
 
@@ -52,7 +55,6 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is nearer
 BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding runs in a worker thread
-MANY_TENSORS = 256  # tensors beyond which a message's checks run in a worker thread
 INBOX = 64  # messages waiting for the serving loop, from all peers together
 
 
@@ -87,6 +89,7 @@ class WeightReceiver:
         self._planes: dict[Peer, ReceiverPlane] = {}
         self._limiter = anyio.CapacityLimiter(1)
         self._committed = anyio.Event()
+        self._leases = LeaseGate()
         self._task_group: anyio.abc.TaskGroup | None = None
 
     # --- what an engine reads -------------------------------------------------------
@@ -142,6 +145,21 @@ class WeightReceiver:
         if self._listener is None:
             raise UsageError("receiver is not open")
         return self._listener.endpoint
+
+    @asynccontextmanager
+    async def serving(self, timeout: float | None = None) -> AsyncIterator[int | None]:
+        """Pin the weights for one request or batch; yields exactly their version.
+
+        While any lease is held no byte of a new version touches the weights: a version
+        that completes meanwhile is made live at the first moment no lease is held (and its
+        sender acknowledged then). A lease asked for while such a swap waits, waits for it
+        (at most ``timeout``, default ``swap_timeout``). Needs a staged sink: an in-place
+        sink changes the weights as buckets arrive.
+        """
+        if not self.sink.staged:
+            raise UsageError("read leases need a staged sink (ModuleSink(model, staged=True))")
+        async with self._leases.lease(self.config.swap_timeout if timeout is None else timeout):
+            yield self.current_version
 
     async def wait_for_version(self, version: int, timeout: float) -> int:
         """Wait until ``current_version >= version``; :class:`SyncTimeoutError` after timeout."""
@@ -258,7 +276,7 @@ class WeightReceiver:
         except ProtocolError as exc:
             log.debug("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
-        if _walks_tensors(message):
+        if walks_tensors(message):
             return await anyio.to_thread.run_sync(machine.receive, peer, message, time.monotonic())
         return machine.receive(peer, message, time.monotonic())
 
@@ -326,7 +344,7 @@ class WeightReceiver:
                 plane = self._planes[action.peer]
                 await anyio.to_thread.run_sync(self._apply, plane, action, limiter=self._limiter)
             except Exception as exc:
-                return machine.apply_failed(action.peer, action.seq, _apply_error(action, exc))
+                return machine.apply_failed(action.peer, action.seq, apply_error(action, exc))
             return machine.applied(action.peer, action.seq, time.monotonic())
         if isinstance(action, Discard):
             try:
@@ -336,13 +354,20 @@ class WeightReceiver:
             return []
         if isinstance(action, CommitSink):
             try:
-                await anyio.to_thread.run_sync(
-                    self.sink.commit, action.version, limiter=self._limiter
-                )
-            except Exception as exc:
-                error = AiosyncError(f"engine failed to commit: {exc}", version=action.version)
-                return machine.commit_failed(action.peer, action.version, error)
-            return machine.commit_done(action.peer, action.version, time.monotonic())
+                async with self._leases.exclusive(self.config.swap_timeout):
+                    try:
+                        await anyio.to_thread.run_sync(
+                            self.sink.commit, action.version, limiter=self._limiter
+                        )
+                    except Exception as exc:
+                        error = AiosyncError(
+                            f"engine failed to commit: {exc}", version=action.version
+                        )
+                        return machine.commit_failed(action.peer, action.version, error)
+                    # live for every lease taken from now on, and only then acknowledged
+                    return machine.commit_done(action.peer, action.version, time.monotonic())
+            except SyncTimeoutError as exc:  # readers held on: nothing was touched
+                return machine.commit_failed(action.peer, action.version, exc, touched=False)
         if isinstance(action, Committed):
             await self._committed_hook(action.version)
         elif isinstance(action, Note):
@@ -362,22 +387,3 @@ class WeightReceiver:
                 await anyio.to_thread.run_sync(self._on_commit, version)
             except Exception:
                 log.exception("on_commit hook failed for version %d", version)
-
-
-def _walks_tensors(message: Message) -> bool:
-    """True for messages whose checks visit many tensors (run off the event loop)."""
-    if isinstance(message, Begin):
-        return len(message.manifest or ()) > MANY_TENSORS
-    if isinstance(message, Bucket):
-        return len(message.slots) + len(message.specs) > MANY_TENSORS
-    return isinstance(message, Complete)
-
-
-def _apply_error(action: Apply, exc: Exception) -> AiosyncError:
-    if isinstance(exc, AiosyncError):
-        return exc
-    names = ", ".join(spec.name for spec in action.specs[:3])
-    return AiosyncError(
-        f"engine failed to apply bucket ({names}): {exc}",
-        tensor=action.specs[0].name if action.specs else None,
-    )
