@@ -20,6 +20,7 @@ from aiosync.core.errors import (
 )
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import EngineOutcome, Policy
+from aiosync.engine.blocking import BackgroundReceiver
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import CallbackSink, ModuleSink, WeightSink
@@ -30,6 +31,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AiosyncError",
+    "BackgroundReceiver",
     "BusyError",
     "CallbackSink",
     "EngineOutcome",
