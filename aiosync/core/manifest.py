@@ -9,15 +9,15 @@ is pure: no IO, no event loop.
 
 from __future__ import annotations
 
-from collections.abc import Collection, ItemsView, Iterable, Mapping
+from collections.abc import Callable, Collection, ItemsView, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
-from aiosync.core.errors import MismatchError
-from aiosync.core.layout import ALIGNMENT, calculate_aligned_size, dtype_name
+from aiosync.core.errors import MismatchError, ProtocolError
+from aiosync.core.layout import ALIGNMENT, calculate_aligned_size, dtype_from_name, dtype_name
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -73,6 +73,43 @@ def visible_pairs(source: Any) -> Collection[tuple[str, Any]] | None:
     return None
 
 
+def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one and the same: address, device, shape, stride and dtype.
+
+    None for tensors without storage of their own to share (meta or empty).
+    """
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        return None
+    index = tensor.device.index or 0
+    return (
+        tensor.data_ptr(),
+        tensor.device.type,
+        index,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+    )
+
+
+def unique_storage(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``pairs`` with each tensor sent once: a later name of the same tensor is dropped.
+
+    Tied weights (GPT-2's ``lm_head.weight`` and ``wte.weight`` in one ``state_dict()``)
+    then move once, under their first name; an engine whose model is tied the same way
+    counts that name as covering the other (:attr:`Expectations.aliases`).
+    """
+    seen: set[tuple[Any, ...]] = set()
+    out: list[tuple[str, Any]] = []
+    for name, tensor in pairs:
+        key = storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append((name, tensor))
+    return out
+
+
 def build_manifest(pairs: Iterable[tuple[str, Any]], capacity: int) -> list[TensorMeta] | None:
     """The manifest of ``pairs``; None when a value is not yet a tensor (an async result)."""
     if capacity < ALIGNMENT:
@@ -90,11 +127,31 @@ def build_manifest(pairs: Iterable[tuple[str, Any]], capacity: int) -> list[Tens
 
 
 class Expected(msgspec.Struct, frozen=True, gc=False):
-    """What an engine takes under one name: dtype, shape, and whether it may come in chunks."""
+    """What an engine takes under one name: dtype, shape, whether it may come in chunks.
+
+    ``castable``: the sink converts on arrival, so any floating dtype is accepted.
+    """
 
     dtype: str
     shape: tuple[int, ...]
     chunkable: bool = True
+    castable: bool = False
+
+    def takes(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether a tensor of ``dtype`` and ``shape`` fits (casting allowed if castable)."""
+        if shape != self.shape:
+            return False
+        if dtype == self.dtype:
+            return True
+        return self.castable and is_float(dtype) and is_float(self.dtype)
+
+
+def is_float(dtype: str) -> bool:
+    """Whether the wire dtype ``dtype`` is a real floating-point type (castable)."""
+    try:
+        return dtype_from_name(dtype).is_floating_point
+    except ProtocolError:
+        return False
 
 
 @dataclass
@@ -103,23 +160,32 @@ class Expectations:
 
     ``tensors`` maps every accepted name (aliases included) to what it must look like;
     ``required`` holds the names a version must cover; ``aliases`` maps an alias to the
-    name it shares storage with, so sending either one covers both.
+    name it shares storage with, so sending either one covers both. These are the
+    engine's names; ``rename`` (sender's name -> engine's name), when given, is applied to
+    every name a sender uses before it is looked up, so errors still name what was sent.
     """
 
     tensors: dict[str, Expected]
     required: frozenset[str]
     aliases: dict[str, str] = field(default_factory=dict)
+    rename: Callable[[str], str] | None = None
 
     def canonical(self, name: str) -> str:
-        """The name ``name`` is an alias of, or ``name`` itself."""
+        """The engine name a sent ``name`` writes (renamed, then de-aliased)."""
+        if self.rename is not None:
+            name = self.rename(name)
         return self.aliases.get(name, name)
+
+    def _expected(self, name: str) -> Expected | None:
+        """What the engine expects under the sent ``name``."""
+        return self.tensors.get(name if self.rename is None else self.rename(name))
 
     def check(self, meta: TensorMeta | Any) -> None:
         """Raise :class:`MismatchError` unless one tensor (a manifest entry or spec) fits."""
-        expected = self.tensors.get(meta.name)
+        expected = self._expected(meta.name)
         if expected is None:
             raise MismatchError("no such parameter or buffer in the model", tensor=meta.name)
-        if (expected.dtype, expected.shape) != (meta.dtype, tuple(meta.shape)):
+        if not expected.takes(meta.dtype, tuple(meta.shape)):
             raise MismatchError(
                 f"sent {meta.dtype}{list(meta.shape)}, model has "
                 f"{expected.dtype}{list(expected.shape)}",
@@ -128,14 +194,14 @@ class Expectations:
 
     def check_chunked(self, name: str) -> None:
         """Raise :class:`MismatchError` if ``name`` cannot be written in pieces."""
-        expected = self.tensors.get(name)
+        expected = self._expected(name)
         if expected is not None and not expected.chunkable:
             raise MismatchError("chunked tensor needs a contiguous target", tensor=name)
 
     def missing(self, covered: Iterable[str]) -> list[str]:
         """Required names that ``covered`` (names sent) leaves out, aliases counted."""
         got = {self.canonical(name) for name in covered}
-        return sorted(name for name in self.required if self.canonical(name) not in got)
+        return sorted(name for name in self.required if self.aliases.get(name, name) not in got)
 
     def check_manifest(self, manifest: Iterable[TensorMeta]) -> None:
         """Check a whole version before anything moves: unknown, mismatched, missing names."""
@@ -158,18 +224,28 @@ def missing_error(missing: list[str]) -> MismatchError:
     )
 
 
-def expectations_of(targets: Mapping[str, torch.Tensor], required: Iterable[str]) -> Expectations:
-    """Expectations of a name -> tensor map; names sharing storage become aliases."""
+def expectations_of(
+    targets: Mapping[str, torch.Tensor],
+    required: Iterable[str],
+    *,
+    cast: bool = False,
+    rename: Callable[[str], str] | None = None,
+) -> Expectations:
+    """Expectations of a name -> tensor map; names sharing storage become aliases.
+
+    ``cast``: floating targets take any floating dtype (the sink converts on arrival).
+    """
     tensors: dict[str, Expected] = {}
     aliases: dict[str, str] = {}
     first_at: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
     for name, tensor in targets.items():
         plain = tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
-        tensors[name] = Expected(dtype_name(tensor.dtype), tuple(tensor.shape), plain)
+        castable = cast and tensor.is_floating_point()
+        tensors[name] = Expected(dtype_name(tensor.dtype), tuple(tensor.shape), plain, castable)
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
         key = (tensor.data_ptr(), tensor.device.index or 0, tuple(tensor.shape), tensor.stride())
         owner = first_at.setdefault(key, name)
         if owner != name:
             aliases[name] = owner
-    return Expectations(tensors, frozenset(required), aliases)
+    return Expectations(tensors, frozenset(required), aliases, rename)

@@ -61,6 +61,17 @@ def _sync_cuda(devices: Iterable[torch.device]) -> None:
             torch.cuda.current_stream(device).synchronize()
 
 
+Rename = Mapping[str, str] | Callable[[str], str]
+
+
+def rename_function(rename: Rename | None) -> Callable[[str], str] | None:
+    """``rename`` as a function; a mapping leaves names it does not list as they are."""
+    if rename is None or callable(rename):
+        return rename
+    table = dict(rename)
+    return lambda name: table.get(name, name)
+
+
 class ModuleSink:
     """Copies tensors into a module's parameters and buffers (or a name -> tensor map) by name.
 
@@ -69,7 +80,20 @@ class ModuleSink:
     into a shadow copy and copies it over only on commit, so a broken stream changes nothing.
 
     A version must cover ``required`` (default: every parameter and persistent buffer of a
-    module, every entry of a map); a tied parameter is covered by either of its names.
+    module, every entry of a map; engine names); a tied parameter is covered by either of
+    its names. When a version sends several names of one tensor (a tied model's
+    ``state_dict()``), the first name sent is written and later ones are skipped (they
+    still count as covered): each storage is written once per version.
+
+    ``rename`` (a mapping or a function, sender's name -> engine's name; a mapping keeps
+    names it does not list) is applied to every sent name before it is checked or written;
+    the expectations stay keyed by engine names and apply the rename on each lookup, so
+    errors name the tensor as sent and "missing" lists name the engine's tensors.
+
+    ``cast=True`` lets a floating tensor arrive in another floating dtype (bf16 <-> fp32,
+    fp32 -> fp16, ...) and converts it on arrival (``copy_``, so bf16 -> fp32 is exact);
+    a tensor sent in chunks is assembled in its sent dtype first. Without it, a dtype
+    mismatch is refused before any byte moves.
     """
 
     def __init__(
@@ -78,6 +102,8 @@ class ModuleSink:
         *,
         staged: bool = False,
         required: Iterable[str] | None = None,
+        rename: Rename | None = None,
+        cast: bool = False,
     ) -> None:
         if isinstance(module, torch.nn.Module):
             self.targets: dict[str, torch.Tensor] = {
@@ -97,6 +123,12 @@ class ModuleSink:
         self._pending: set[str] = set()
         # name -> (address, flat bytes if plain, whether plain on the CPU)
         self._bytes: dict[str, tuple[int, torch.Tensor | None, bool]] = {}
+        self._rename = rename_function(rename)
+        self._cast = cast
+        self._dtypes = {n: dtype_name(t.dtype) for n, t in self.targets.items()} if cast else {}
+        self._aliases: dict[str, str] = {}  # from expectations(): engine alias -> owner
+        self._writer: dict[str, str] = {}  # owner -> the sent name writing it this version
+        self._assembling: dict[str, torch.Tensor] = {}  # chunks of a tensor to cast
 
     @property
     def device(self) -> torch.device:
@@ -109,8 +141,31 @@ class ModuleSink:
         return self._staged
 
     def expectations(self) -> Expectations:
-        """Every target by name with its dtype and shape; tied names are aliases."""
-        return expectations_of(self.targets, self._required)
+        """Every target by name with its dtype and shape; tied names are aliases.
+
+        Floating targets are castable with ``cast=True``; ``rename`` applies to each lookup.
+        """
+        found = expectations_of(self.targets, self._required, cast=self._cast, rename=self._rename)
+        self._aliases = found.aliases
+        return found
+
+    def _second_name(self, sent: str, name: str) -> bool:
+        """Whether ``name`` (engine name of ``sent``) is a tensor another name wrote already."""
+        owner = self._aliases.get(name, name)
+        return self._writer.setdefault(owner, sent) != sent
+
+    def _cast_in(self, dst: torch.Tensor, raw: torch.Tensor, spec: TensorSpec) -> None:
+        """Convert a spec of another dtype into ``dst``; chunks are assembled first."""
+        if spec.is_whole:
+            dst.copy_(bytes_as_tensor(raw, spec), non_blocking=True)
+            return
+        whole = self._assembling.get(spec.name)
+        if whole is None:
+            whole = torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype), device=raw.device)
+            self._assembling[spec.name] = whole
+        copy_bytes(tensor_bytes(whole)[spec.start : spec.start + spec.nbytes], raw)
+        if spec.is_last_chunk:
+            dst.copy_(self._assembling.pop(spec.name), non_blocking=True)
 
     def _destination(self, name: str) -> tuple[torch.Tensor, int, torch.Tensor | None, bool]:
         """Where ``name`` is written: tensor, address, flat bytes, whether copied by address.
@@ -141,9 +196,17 @@ class ModuleSink:
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         """Copy each spec's bytes into its destination, then wait for the device to finish."""
         base = bucket.data_ptr() if bucket.is_cpu else None
+        rename, cast = self._rename, self._cast
+        once = bool(self._aliases) or rename is not None  # one target may have two names
         with torch.no_grad():
             for spec in specs:
-                dst, address, dst_bytes, by_address = self._destination(spec.name)
+                name = spec.name if rename is None else rename(spec.name)
+                if once and self._second_name(spec.name, name):
+                    continue
+                dst, address, dst_bytes, by_address = self._destination(name)
+                if cast and spec.dtype != self._dtypes[name]:
+                    self._cast_in(dst, spec_bytes(bucket, spec), spec)
+                    continue
                 if base is not None and by_address and spec.nbytes <= SMALL_COPY:
                     address_copy(address + spec.start, base + spec.offset, spec.nbytes)
                     continue
@@ -164,11 +227,14 @@ class ModuleSink:
             for name in self._pending:
                 self.targets[name].data.copy_(self._shadow[name], non_blocking=True)
         self._pending.clear()
+        self._writer.clear()
         _sync_cuda(self._devices)
 
     def abort(self) -> None:
         """Staged mode: forget written shadows (the model was never touched)."""
         self._pending.clear()
+        self._writer.clear()
+        self._assembling.clear()
 
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
@@ -180,7 +246,9 @@ class CallbackSink:
     The tensors are views into shared memory, valid only during the call: the callback must
     copy what it keeps. A tensor split across buckets is assembled first and passed whole.
     ``expected`` (name -> (dtype, shape)) enables checks before anything is passed on, and
-    then a version must cover ``required`` (default: every expected name).
+    then a version must cover ``required`` (default: every expected name). With
+    ``expected``, ``cast=True`` accepts a floating tensor in another floating dtype and
+    hands it on converted to the expected dtype (a new tensor, assembled first if chunked).
     """
 
     def __init__(
@@ -191,7 +259,11 @@ class CallbackSink:
         expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
         required: Iterable[str] | None = None,
         on_commit: Callable[[int], object] | None = None,
+        cast: bool = False,
     ) -> None:
+        if cast and expected is None:
+            raise ValueError("cast=True needs expected= (the dtypes to cast to)")
+        self._cast = cast
         self._load = load_weights
         self._device = torch.device(device)
         self._expected = expected
@@ -214,7 +286,9 @@ class CallbackSink:
         if self._expected is None:
             return None
         tensors = {
-            name: Expected(dtype_name(dtype), tuple(shape))
+            name: Expected(
+                dtype_name(dtype), tuple(shape), castable=self._cast and dtype.is_floating_point
+            )
             for name, (dtype, shape) in self._expected.items()
         }
         required = self._expected if self._required is None else self._required
@@ -237,9 +311,19 @@ class CallbackSink:
             copy_bytes(tensor_bytes(whole)[spec.start : spec.start + spec.nbytes], raw)
             if spec.is_last_chunk:
                 ready.append((spec.name, self._assembling.pop(spec.name)))
+        if ready and self._cast:
+            ready = [(name, self._converted(name, tensor)) for name, tensor in ready]
         if ready:
             self._load(ready)
         _sync_cuda([self._device])
+
+    def _converted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in the dtype expected under ``name`` (itself when it already is)."""
+        assert self._expected is not None  # cast needs expected (checked in __init__)
+        want = self._expected.get(name)
+        if want is None or want[0] == tensor.dtype:
+            return tensor
+        return tensor.to(want[0])
 
     def commit(self, version: int) -> None:
         """Call ``on_commit(version)`` if given."""

@@ -18,7 +18,7 @@ import inspect
 import logging
 import os
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, ItemsView, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
@@ -37,7 +37,13 @@ from aiosync.core.layout import (
     calculate_aligned_size,
     plan_buckets,
 )
-from aiosync.core.manifest import TensorMeta, build_manifest, module_tensors, visible_pairs
+from aiosync.core.manifest import (
+    TensorMeta,
+    build_manifest,
+    module_tensors,
+    unique_storage,
+    visible_pairs,
+)
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
 from aiosync.pipeline.links import EngineLink
@@ -54,6 +60,13 @@ CLOSE_TIMEOUT = 1.0  # seconds a closing sender waits for each goodbye to be ack
 Target = str | Channel
 """An engine to reach: an endpoint to connect to (``ipc://`` or ``tcp://``) or a channel."""
 Manifest = Sequence[TensorMeta] | Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Options:
+    empty: bool
+    rebase: bool
+    packed: anyio.Event | None
 
 
 @dataclass(frozen=True)
@@ -257,6 +270,7 @@ class WeightSender:
         progress: ProgressCallback | None = None,
         empty: bool = False,
         rebase: bool = False,
+        packed: anyio.Event | None = None,
     ) -> SyncReport:
         """Stream every tensor as ``version`` and return once the engines committed it.
 
@@ -268,6 +282,9 @@ class WeightSender:
         previous version as the policy says, and the error names each failed engine.
         A version with no tensors needs ``empty=True``; ``rebase=True`` restarts the
         numbering (a trainer back from a checkpoint), where the engines allow it.
+        ``packed`` (an event) is set once every byte is in a buffer: from then on the
+        trainer may change its tensors (an optimizer step) while the engines apply and
+        commit the snapshot; changing them before is undefined.
         """
         if self._plane is None:
             raise UsageError("sender is not open; use 'async with WeightSender(...)'")
@@ -280,9 +297,11 @@ class WeightSender:
             raise PeerGoneError("no engines to send to" + (f" (lost {lost})" if lost else ""))
         self._sending = True
         try:
-            options = {"empty": empty, "rebase": rebase}
+            options = _Options(empty, rebase, packed)
             return await self._send(named_tensors, version, manifest, policy, progress, options)
         finally:
+            if packed is not None:
+                packed.set()  # a failed send has nothing left to read either
             self._sending = False
             await self._drop_broken()
 
@@ -293,7 +312,7 @@ class WeightSender:
         manifest: Manifest | None,
         policy: Policy | str | None,
         progress: ProgressCallback | None,
-        options: dict[str, bool],
+        options: _Options,
     ) -> SyncReport:
         pairs, entries = await anyio.to_thread.run_sync(self._read, source, manifest)
         if version is None:
@@ -306,7 +325,9 @@ class WeightSender:
             manifest=entries,
             policy=Policy(policy or self.config.policy),
             progress=progress,
-            **options,
+            empty=options.empty,
+            rebase=options.rebase,
+            packed=options.packed,
         )
         most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
         plans = plan_buckets(
@@ -335,11 +356,15 @@ class WeightSender:
     ) -> tuple[Collection[tuple[str, Any]] | None, list[TensorMeta] | None]:
         """The pairs that can be read without consuming ``source``, and the manifest.
 
-        Per-tensor work, so it runs in a worker thread.
+        Per-tensor work, so it runs in a worker thread. A module, a mapping or its
+        ``.items()`` sends each tensor once: a second name of the same tensor (tied
+        weights) is dropped when the manifest is read from the source itself.
         """
         if isinstance(source, torch.nn.Module):
             source = module_tensors(source)
         pairs = visible_pairs(source)
+        if given is None and isinstance(source, Mapping | ItemsView):
+            pairs = unique_storage(source.items() if isinstance(source, Mapping) else source)
         if given is None:
             return pairs, None if pairs is None else build_manifest(pairs, self._capacity)
         if isinstance(given, Mapping):
