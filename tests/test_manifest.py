@@ -27,6 +27,7 @@ from aiosync.core.manifest import (
     describe,
     expectations_of,
     module_tensors,
+    unique_storage,
     visible_pairs,
 )
 from aiosync.pipeline.ledger import BufferLedger
@@ -466,3 +467,73 @@ def test_ledger_takes_its_engines_from_any_iterable() -> None:
     ledger.hold(0, (name for name in ("e0", "e1")), "b0")
     assert ledger.release(0, "e0") is None
     assert ledger.release(0, "e1") == "b0"
+
+
+# --------------------------------------------------------------------------------------
+# tied tensors sent once, casting and renames in expectations
+# --------------------------------------------------------------------------------------
+
+
+def test_unique_storage_keeps_the_first_name_of_each_tensor() -> None:
+    model = TiedLM()
+    state = model.state_dict()
+    assert "head.weight" in state
+    kept = [name for name, _ in unique_storage(state.items())]
+    assert kept == [name for name in state if name != "head.weight"]
+    storage = torch.zeros(4, 4)
+    pairs = [
+        ("a", storage),
+        ("same", storage.view(4, 4)),
+        ("t", storage.t()),  # other stride: another tensor
+        ("half", storage[:2]),  # other shape
+        ("bytes", storage.view(torch.int32)),  # other dtype
+        ("m1", torch.zeros(2, device="meta")),
+        ("e1", torch.zeros(0)),
+        ("e2", torch.zeros(0)),
+        ("later", 3),  # not yet a tensor: kept
+    ]
+    assert [n for n, _ in unique_storage(pairs)] == [
+        "a",
+        "t",
+        "half",
+        "bytes",
+        "m1",
+        "e1",
+        "e2",
+        "later",
+    ]
+
+
+def test_castable_expectations_take_any_float_dtype_of_the_right_shape() -> None:
+    targets = {"w": torch.zeros(2, 3), "steps": torch.zeros((), dtype=torch.int64)}
+    plain = expectations_of(targets, targets)
+    cast = expectations_of(targets, targets, cast=True)
+    assert not plain.tensors["w"].castable
+    assert cast.tensors["w"].castable
+    assert not cast.tensors["steps"].castable  # integers are never cast
+    bf16 = TensorMeta("w", "bfloat16", (2, 3))
+    with pytest.raises(MismatchError, match=r"sent bfloat16\[2, 3\], model has float32"):
+        plain.check(bf16)
+    cast.check(bf16)
+    cast.check(TensorMeta("w", "float16", (2, 3)))
+    with pytest.raises(MismatchError, match="model has float32"):
+        cast.check(TensorMeta("w", "bfloat16", (3, 2)))
+    with pytest.raises(MismatchError, match="sent int32"):
+        cast.check(TensorMeta("w", "int32", (2, 3)))
+    with pytest.raises(MismatchError, match="sent float32"):
+        cast.check(TensorMeta("steps", "float32", ()))
+
+
+def test_renamed_expectations_look_up_engine_names_and_report_sent_ones() -> None:
+    model = TiedLM()
+    expect = expectations_of(
+        sink_targets(model), module_tensors(model), rename=lambda n: n.removeprefix("model.")
+    )
+    expect.check(TensorMeta("model.block.0.weight", "float32", (4, 4)))
+    with pytest.raises(MismatchError, match="no such parameter") as info:
+        expect.check(TensorMeta("model.nothing", "float32", (4, 4)))
+    assert info.value.tensor == "model.nothing"
+    assert expect.canonical("model.head.weight") == "embed.weight"
+    sent = ["model." + name for name in module_tensors(model) if name != "embed.weight"]
+    assert expect.missing([*sent, "model.head.weight"]) == []
+    assert expect.missing(sent) == ["embed.weight"]  # missing names are the engine's
