@@ -245,8 +245,20 @@ class BackgroundReceiver:
             log.error("background weight receiver stopped: %s", cause)
             self._error = cause
         finally:
+            self._join_workers()
             self._ready.set()
             self._notify()
+
+    def _join_workers(self) -> None:
+        """Wait (bounded) for the loop's worker threads, told to stop as the loop ended.
+
+        anyio's worker threads are not daemons and outlive their loop by a moment; joining
+        them here means no thread of this receiver is left once :meth:`__exit__` returns.
+        """
+        deadline = time.monotonic() + self._stop_timeout
+        for thread in threading.enumerate():
+            if self._loop is not None and getattr(thread, "loop", None) is self._loop:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
