@@ -8,8 +8,9 @@ thread of its own, on its own loop, and offers blocking calls::
         tell_the_trainer(receiver.endpoint)
         receiver.wait_for_version(1, timeout=60)     # blocks; no async code here
 
-Read leases (pin one version while a request reads the weights, issue 9 item 1) are not
-built yet; a blocking lease will be added here together with ``receiver.serving()``.
+Read leases (issue 9 item 1: pin one version while a request reads the weights) exist on
+the async side as :meth:`WeightReceiver.serving`; their blocking twin for worker threads is
+not here yet and will be added to this class.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ class BackgroundReceiver:
     Thread safety: :attr:`current_version`, :attr:`servable` and :attr:`failures` are plain
     attribute reads of state the receiver's loop writes; each read is atomic, but two reads
     are not a snapshot (a version may commit between them), and with an in-place sink the
-    weights may change while the caller reads them. A read lease that pins one version for
-    a request will come with issue 9 item 1 (``receiver.serving()`` and its blocking twin).
+    weights may change while the caller reads them. A blocking read lease that pins one
+    version for a request (the twin of :meth:`WeightReceiver.serving`, issue 9 item 1) is
+    not offered here yet.
     """
 
     def __init__(
