@@ -55,8 +55,10 @@ class BucketFanout:
         vote: FleetVote,
         guard: Guard,
         progress: ProgressCallback | None,
+        packed: anyio.Event | None = None,
     ) -> None:
         self.links = links
+        self.packed = packed  # set once every byte of the version is in a buffer
         self.plane = plane
         self.version = version
         self.manifest = manifest
@@ -109,6 +111,8 @@ class BucketFanout:
                     self._pack_next, plans, index, limiter=self._limiter
                 )
                 if packed is None:
+                    if self.packed is not None:  # the trainer may change its tensors again
+                        self.packed.set()
                     return
                 await self.plane.publish(index, packed.plan.used)
                 live = self.vote.live

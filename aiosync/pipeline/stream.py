@@ -49,12 +49,14 @@ class StreamRun:
         progress: ProgressCallback | None = None,
         empty: bool = False,
         rebase: bool = False,
+        packed: anyio.Event | None = None,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
         self.version = version
         self.manifest = manifest
         self.flags = {"empty": empty, "rebase": rebase}
+        self._packed = packed
         self.vote = FleetVote(list(self.links), policy)
         self.progress = progress
         self._fanout: BucketFanout | None = None
@@ -203,6 +205,7 @@ class StreamRun:
             vote=self.vote,
             guard=self._guard,
             progress=self.progress,
+            packed=self._packed,
         )
         self._fanout = fanout
         await fanout.run(plans, begin)

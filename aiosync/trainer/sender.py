@@ -63,6 +63,13 @@ Manifest = Sequence[TensorMeta] | Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
+class _Options:
+    empty: bool
+    rebase: bool
+    packed: anyio.Event | None
+
+
+@dataclass(frozen=True)
 class SenderConfig:
     """How a sender buffers, how long it waits and how it commits.
 
@@ -263,6 +270,7 @@ class WeightSender:
         progress: ProgressCallback | None = None,
         empty: bool = False,
         rebase: bool = False,
+        packed: anyio.Event | None = None,
     ) -> SyncReport:
         """Stream every tensor as ``version`` and return once the engines committed it.
 
@@ -274,6 +282,9 @@ class WeightSender:
         previous version as the policy says, and the error names each failed engine.
         A version with no tensors needs ``empty=True``; ``rebase=True`` restarts the
         numbering (a trainer back from a checkpoint), where the engines allow it.
+        ``packed`` (an event) is set once every byte is in a buffer: from then on the
+        trainer may change its tensors (an optimizer step) while the engines apply and
+        commit the snapshot; changing them before is undefined.
         """
         if self._plane is None:
             raise UsageError("sender is not open; use 'async with WeightSender(...)'")
@@ -286,9 +297,11 @@ class WeightSender:
             raise PeerGoneError("no engines to send to" + (f" (lost {lost})" if lost else ""))
         self._sending = True
         try:
-            options = {"empty": empty, "rebase": rebase}
+            options = _Options(empty, rebase, packed)
             return await self._send(named_tensors, version, manifest, policy, progress, options)
         finally:
+            if packed is not None:
+                packed.set()  # a failed send has nothing left to read either
             self._sending = False
             await self._drop_broken()
 
@@ -299,7 +312,7 @@ class WeightSender:
         manifest: Manifest | None,
         policy: Policy | str | None,
         progress: ProgressCallback | None,
-        options: dict[str, bool],
+        options: _Options,
     ) -> SyncReport:
         pairs, entries = await anyio.to_thread.run_sync(self._read, source, manifest)
         if version is None:
@@ -312,7 +325,9 @@ class WeightSender:
             manifest=entries,
             policy=Policy(policy or self.config.policy),
             progress=progress,
-            **options,
+            empty=options.empty,
+            rebase=options.rebase,
+            packed=options.packed,
         )
         most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
         plans = plan_buckets(
