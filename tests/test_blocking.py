@@ -11,9 +11,17 @@ import pytest
 import torch
 import zmq
 
-from aiosync import AiosyncError, BackgroundReceiver, SyncTimeoutError, UsageError
+from aiosync import (
+    AiosyncError,
+    BackgroundReceiver,
+    ModuleSink,
+    SyncTimeoutError,
+    UsageError,
+    WeightSender,
+)
 from aiosync.channels.base import Channel
 from aiosync.compat.nemo_rl import stream_weights_via_ipc_zmq_impl
+from aiosync.runtime import run
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -180,3 +188,37 @@ def test_a_receiver_is_entered_once() -> None:
     receiver = BackgroundReceiver(model())
     with receiver, pytest.raises(UsageError, match="once"):
         receiver.__enter__()
+
+
+def test_a_worker_thread_pins_a_version_with_a_blocking_lease() -> None:
+    model = {"w": torch.zeros(64)}
+    with BackgroundReceiver(ModuleSink(model, staged=True)) as receiver:
+        endpoint = receiver.endpoint
+
+        def send(version: int) -> None:
+            async def main() -> None:
+                async with WeightSender(endpoint) as sender:
+                    await sender.send({"w": torch.full((64,), float(version))}, version=version)
+
+            run(main)
+
+        send(1)
+        with receiver.serving() as version:
+            assert version == 1
+            trainer = threading.Thread(target=send, args=(2,))
+            trainer.start()
+            trainer.join(0.5)  # the new version waits for this lease
+            assert receiver.current_version == 1
+            assert torch.equal(model["w"], torch.full((64,), 1.0))
+        trainer.join(30)
+        assert receiver.wait_for_version(2, timeout=30) == 2
+        assert torch.equal(model["w"], torch.full((64,), 2.0))
+
+
+def test_a_blocking_lease_needs_a_staged_sink() -> None:
+    with (
+        BackgroundReceiver({"w": torch.zeros(3)}) as receiver,
+        pytest.raises(UsageError, match="staged"),
+        receiver.serving(),
+    ):
+        pass

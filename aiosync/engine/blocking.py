@@ -8,9 +8,9 @@ thread of its own, on its own loop, and offers blocking calls::
         tell_the_trainer(receiver.endpoint)
         receiver.wait_for_version(1, timeout=60)     # blocks; no async code here
 
-Read leases (issue 9 item 1: pin one version while a request reads the weights) exist on
-the async side as :meth:`WeightReceiver.serving`; their blocking twin for worker threads is
-not here yet and will be added to this class.
+A worker thread pins one version while it reads the weights with
+``with receiver.serving() as version:`` (a staged sink is needed), the blocking twin of
+:meth:`WeightReceiver.serving`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from contextlib import contextmanager
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -87,9 +90,7 @@ class BackgroundReceiver:
     Thread safety: :attr:`current_version`, :attr:`servable` and :attr:`failures` are plain
     attribute reads of state the receiver's loop writes; each read is atomic, but two reads
     are not a snapshot (a version may commit between them), and with an in-place sink the
-    weights may change while the caller reads them. A blocking read lease that pins one
-    version for a request (the twin of :meth:`WeightReceiver.serving`, issue 9 item 1) is
-    not offered here yet.
+    weights may change while the caller reads them: :meth:`serving` pins one version.
     """
 
     def __init__(
@@ -179,6 +180,38 @@ class BackgroundReceiver:
             f"after {timeout:g}s",
             version=version,
         )
+
+    @contextmanager
+    def serving(self, timeout: float | None = None) -> Iterator[int | None]:
+        """The blocking twin of :meth:`WeightReceiver.serving` for worker threads.
+
+        Pins the weights for the block and yields exactly their version; a new version goes
+        live between such blocks. Needs a staged sink. The lease is held on the background
+        loop, so the calling thread may block in it (say, for a forward pass).
+        """
+        receiver, loop = self._receiver, self._loop
+        if receiver is None or loop is None or not self.running:
+            self.check()
+            raise UsageError("background receiver is not running")
+        granted: Future[tuple[int | None, asyncio.Event]] = Future()
+
+        async def hold() -> None:
+            release = asyncio.Event()
+            async with receiver.serving(timeout) as version:
+                granted.set_result((version, release))
+                await release.wait()
+
+        held = asyncio.run_coroutine_threadsafe(hold(), loop)
+        pending: list[Future[Any]] = [granted, held]
+        wait(pending, return_when=FIRST_COMPLETED)
+        if not granted.done():
+            held.result()  # raises why the lease was not granted
+        version, release = granted.result()
+        try:
+            yield version
+        finally:
+            loop.call_soon_threadsafe(release.set)
+            held.result(self._stop_timeout)
 
     # --- lifecycle ------------------------------------------------------------------------
 
