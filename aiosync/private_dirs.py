@@ -24,6 +24,7 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,33 @@ def creator_pid(path: Path, prefix: str = PREFIX) -> int | None:
     return int(match.group(2)) if match else None
 
 
+def dead_entries(
+    entries: Iterable[os.DirEntry[str]],
+    pattern: re.Pattern[str],
+    is_kind: Callable[[int], bool],
+) -> Iterator[os.DirEntry[str]]:
+    """The entries a dead process of this PID namespace left, that this user may remove.
+
+    ``pattern`` must match a whole name and capture the PID namespace and the pid; an entry
+    is yielded only if that pid no longer exists here, and its own mode (looked at without
+    following a symlink) passes ``is_kind`` and it belongs to this user. Never raises.
+    """
+    namespace = pid_namespace()
+    if namespace == 0:  # without /proc no pid can be judged dead
+        return
+    uid = os.geteuid()
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if not match or int(match.group(1)) != namespace or pid_alive(int(match.group(2))):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if is_kind(info.st_mode) and info.st_uid == uid:
+            yield entry
+
+
 def sweep_stale_dirs(
     prefix: str = PREFIX, parent: str | os.PathLike[str] | None = None
 ) -> list[str]:
@@ -87,35 +115,18 @@ def sweep_stale_dirs(
     user and not symlinks are considered; see the module docstring. Never raises.
     """
     removed: list[str] = []
-    namespace = pid_namespace()
-    if namespace == 0:  # without /proc no pid can be judged dead
-        return removed
     base = Path(parent) if parent is not None else Path(tempfile.gettempdir())
-    pattern = _name_pattern(prefix)
-    uid = os.geteuid()
     try:
         with os.scandir(base) as scan:
             entries = list(scan)
     except OSError:
         return removed
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if not match or int(match.group(1)) != namespace:
-            continue
-        if pid_alive(int(match.group(2))):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
-                continue
-            # rmtree works from descriptors and refuses a symlink, also one swapped in
-            # after the lstat above; nothing inside is followed out.
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if os.path.lexists(entry.path):
-                continue
-        except OSError:
-            continue
-        removed.append(entry.name)
+    for entry in dead_entries(entries, _name_pattern(prefix), stat.S_ISDIR):
+        # rmtree works from descriptors and refuses a symlink, also one swapped in after
+        # the look above; nothing inside is followed out.
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            removed.append(entry.name)
     if removed:
         log.warning("removed %d private directories left by dead processes", len(removed))
     return removed

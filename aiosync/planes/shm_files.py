@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from aiosync.core.errors import AiosyncError
-from aiosync.private_dirs import pid_alive, pid_namespace
+from aiosync.private_dirs import dead_entries
 
 # the logger name these records had before this module was split out of shm.py
 log = logging.getLogger("aiosync.planes.shm")
@@ -78,28 +78,16 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     error, is left alone.
     """
     removed: list[str] = []
-    namespace = pid_namespace()
-    if namespace == 0:  # without /proc no pid can be judged dead
-        return removed
-    uid = os.geteuid()
     try:
         dirfd = _open_directory(shm_dir)
     except OSError:
         return removed
     try:
         with os.scandir(dirfd) as entries:
-            for entry in entries:
-                match = _FILE_NAME.fullmatch(entry.name)
-                if not match or int(match.group(1)) != namespace:
-                    continue
-                if pid_alive(int(match.group(2))):
-                    continue
+            for entry in dead_entries(entries, _FILE_NAME, stat.S_ISREG):
                 try:
-                    info = entry.stat(follow_symlinks=False)
-                    if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
-                        continue
                     # unlink never follows a symlink; /dev/shm is sticky, so no other user
-                    # can swap our file for theirs between the lstat and here.
+                    # can swap our file for theirs between the look and here.
                     os.unlink(entry.name, dir_fd=dirfd)
                 except OSError:
                     continue
