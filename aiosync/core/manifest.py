@@ -91,13 +91,23 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-def unique_storage(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def unique_storage(pairs: Collection[tuple[str, Any]]) -> Collection[tuple[str, Any]]:
     """``pairs`` with each tensor sent once: a later name of the same tensor is dropped.
 
     Tied weights (GPT-2's ``lm_head.weight`` and ``wte.weight`` in one ``state_dict()``)
     then move once, under their first name; an engine whose model is tied the same way
-    counts that name as covering the other (:attr:`Expectations.aliases`).
+    counts that name as covering the other (:attr:`Expectations.aliases`). Addresses are
+    compared first, so a version with no two tensors at one address is returned as it is.
     """
+    addresses: set[int] = set()
+    for _, tensor in pairs:
+        if isinstance(tensor, torch.Tensor):
+            address = tensor.data_ptr()
+            if address in addresses:
+                break
+            addresses.add(address)
+    else:
+        return pairs
     seen: set[tuple[Any, ...]] = set()
     out: list[tuple[str, Any]] = []
     for name, tensor in pairs:
