@@ -176,6 +176,9 @@ class WeightReceiver:
     async def __aenter__(self) -> WeightReceiver:
         require_asyncio("WeightReceiver")
         expectations = await anyio.to_thread.run_sync(self.sink.expectations)
+        reserve = getattr(self.sink, "reserve", None)  # optional: room to stage a version
+        if reserve is not None:
+            await anyio.to_thread.run_sync(reserve)
         self._machine = EngineSession(
             expectations=expectations,
             staged=self.sink.staged,

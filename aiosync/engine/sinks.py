@@ -28,10 +28,17 @@ from aiosync.core.layout import (
     tensor_bytes,
 )
 from aiosync.core.manifest import Expectations, Expected, expectations_of, module_tensors
+from aiosync.engine.staging import SWAPS, Staging, Swap
 
 
 class WeightSink(Protocol):
-    """What a receiver needs from the thing that owns the weights."""
+    """What a receiver needs from the thing that owns the weights.
+
+    Optional, and so not declared here: ``reserve()``, which the receiver calls once (in a
+    worker thread) when it starts, if the sink has it, to allocate what staging a version
+    needs, raising an :class:`~aiosync.AiosyncError` that says how many bytes are needed
+    and how many are free when they are not (:meth:`ModuleSink.reserve`).
+    """
 
     @property
     def device(self) -> torch.device:
@@ -75,9 +82,18 @@ def rename_function(rename: Rename | None) -> Callable[[str], str] | None:
 class ModuleSink:
     """Copies tensors into a module's parameters and buffers (or a name -> tensor map) by name.
 
-    In-place (default) writes straight into the weights: fastest, but a broken stream leaves
-    them mixed, and the receiver then marks the engine not servable. ``staged=True`` writes
-    into a shadow copy and copies it over only on commit, so a broken stream changes nothing.
+    In-place (default) writes straight into the weights: fastest and no extra memory, but a
+    broken stream leaves them mixed, and the receiver then marks the engine not servable;
+    the choice for colocated engines that pause serving during a sync. ``staged=True``
+    writes into a shadow copy (one per storage) made live only on commit, so a broken
+    stream changes nothing. ``swap`` says how: ``"copy"`` (default) copies the shadow into
+    the live tensor, which never moves (keep it for engines that captured CUDA graphs or
+    hold raw pointers); ``"pointer"`` makes the shadow's storage the live tensor's (every
+    name of a tied tensor, so they stay tied) and the old storage the next shadow: no copy
+    at commit. Pointer swap needs readers to reach the weights through the module or the
+    tensors given here (a tensor whose storage is also held elsewhere is copied instead),
+    and no reference to ``param.data`` kept past a read lease. :meth:`reserve` allocates
+    the shadows up front, refusing if they do not fit; :attr:`extra_bytes` is their size.
 
     A version must cover ``required`` (default: every parameter and persistent buffer of a
     module, every entry of a map; engine names); a tied parameter is covered by either of
@@ -104,6 +120,7 @@ class ModuleSink:
         required: Iterable[str] | None = None,
         rename: Rename | None = None,
         cast: bool = False,
+        swap: Swap = "copy",
     ) -> None:
         if isinstance(module, torch.nn.Module):
             self.targets: dict[str, torch.Tensor] = {
@@ -119,8 +136,11 @@ class ModuleSink:
         self._device = first.device if first is not None else torch.device("cpu")
         self._devices = {t.device for t in self.targets.values()}
         self._staged = staged
-        self._shadow: dict[str, torch.Tensor] = {}
-        self._pending: set[str] = set()
+        if swap not in SWAPS:
+            raise ValueError(f"swap must be one of {SWAPS}, got {swap!r}")
+        if swap != "copy" and not staged:
+            raise ValueError(f"swap={swap!r} makes a staged version live: it needs staged=True")
+        self._staging = Staging(self.targets, swap) if staged else None
         # name -> (address, flat bytes if plain, whether plain on the CPU)
         self._bytes: dict[str, tuple[int, torch.Tensor | None, bool]] = {}
         self._rename = rename_function(rename)
@@ -149,6 +169,21 @@ class ModuleSink:
         self._aliases = found.aliases
         return found
 
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes held for staging (the shadows allocated so far; 0 in place)."""
+        return 0 if self._staging is None else self._staging.extra_bytes
+
+    def reserve(self) -> None:
+        """Staged: allocate every shadow now (in place: nothing to do).
+
+        Raises :class:`~aiosync.AiosyncError` saying how many bytes staging needs and how
+        many are free (device memory for CUDA, available host memory for the CPU) when they
+        do not fit.
+        """
+        if self._staging is not None:
+            self._staging.reserve()
+
     def _second_name(self, sent: str, name: str) -> bool:
         """Whether ``name`` (engine name of ``sent``) is a tensor another name wrote already."""
         owner = self._aliases.get(name, name)
@@ -174,23 +209,18 @@ class ModuleSink:
         are made once per tensor and address, not once per bucket: for small tensors the
         per-tensor view calls cost more than the copies.
         """
-        if self._staged:
-            dst = self._shadow.get(name)
-            if dst is None:
-                target = self.targets[name]
-                dst = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-                self._shadow[name] = dst
-            self._pending.add(name)
+        if self._staging is not None:  # keyed by the tensor's first name: one per storage
+            key, dst = self._staging.write(name)
         else:
-            dst = self.targets[name]
+            key, dst = name, self.targets[name]
         address = dst.data_ptr()
-        cached = self._bytes.get(name)
+        cached = self._bytes.get(key)
         if cached is None or cached[0] != address:
             plain = is_plain(dst)
             by_address = plain and dst.is_cpu  # then no view is kept: fewer objects to scan
             view = tensor_bytes(dst.detach()) if plain and not by_address else None
             cached = (address, view, by_address)
-            self._bytes[name] = cached
+            self._bytes[key] = cached
         return dst, address, cached[1], cached[2]
 
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
@@ -222,17 +252,18 @@ class ModuleSink:
         _sync_cuda(self._devices)
 
     def commit(self, version: int) -> None:
-        """Staged mode: copy every shadow written since the last commit into the model."""
+        """Staged mode: make every shadow written since the last commit live (``swap``)."""
         with torch.no_grad():
-            for name in self._pending:
-                self.targets[name].data.copy_(self._shadow[name], non_blocking=True)
-        self._pending.clear()
+            moved = self._staging.commit() if self._staging is not None else []
+        for key in moved:  # its shadow is now another storage: drop the cached view
+            self._bytes.pop(key, None)
         self._writer.clear()
         _sync_cuda(self._devices)
 
     def abort(self) -> None:
         """Staged mode: forget written shadows (the model was never touched)."""
-        self._pending.clear()
+        if self._staging is not None:
+            self._staging.abort()
         self._writer.clear()
         self._assembling.clear()
 

@@ -1,0 +1,148 @@
+"""The staged copy of a :class:`~aiosync.ModuleSink`'s weights, and how it goes live.
+
+A staged sink writes each version into shadow tensors, one per storage (tied names share
+one), and makes them live at commit in one of two ways:
+
+* ``"copy"`` copies each written shadow into the live tensor: the live tensors never move,
+  which engines that captured CUDA graphs or hold raw pointers need.
+* ``"pointer"`` makes the shadow's storage the live tensor's (``tensor.data = shadow``, for
+  every name of a tied tensor, so they stay tied), and the old live storage becomes that
+  name's next shadow: no second copy and no allocation per version. A live tensor whose
+  storage is shared with anything but its own names (a view of a larger buffer, a
+  ``state_dict()`` copy of a module's parameter, a view someone keeps) is copied instead,
+  so nothing outside the sink is ever left pointing at a staging area.
+
+:meth:`Staging.reserve` allocates every shadow up front after checking that it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+
+from aiosync.core.errors import AiosyncError
+from aiosync.planes.memfd import memory_free
+
+Swap = Literal["copy", "pointer"]
+SWAPS: tuple[Swap, ...] = ("copy", "pointer")
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device`` (None: unknown, not checked).
+
+    CUDA: ``torch.cuda.mem_get_info``; CPU: available memory, or the cgroup's headroom if
+    less (:func:`~aiosync.planes.memfd.memory_free`).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        return memory_free()
+    return None
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # (private) None: never swap
+
+
+def _holders(storage: torch.UntypedStorage) -> int | None:
+    """How many tensors hold ``storage``, less the caller's storage object (None: unknown)."""
+    return None if _USE_COUNT is None else int(_USE_COUNT(storage._cdata)) - 1
+
+
+class Staging:
+    """Shadows of ``targets`` (engine name -> live tensor), keyed by their first name."""
+
+    def __init__(self, targets: Mapping[str, torch.Tensor], swap: Swap) -> None:
+        if swap not in SWAPS:
+            raise ValueError(f"swap must be one of {SWAPS}, got {swap!r}")
+        self.swap = swap
+        self.owner: dict[str, str] = {}  # every name -> the first name of its tensor
+        self.members: dict[str, list[torch.Tensor]] = {}  # first name -> distinct tensors
+        first_at: dict[tuple[int, str, tuple[int, ...], tuple[int, ...]], str] = {}
+        for name, tensor in targets.items():
+            key = (tensor.data_ptr(), str(tensor.device), tuple(tensor.shape), tensor.stride())
+            empty = tensor.device.type == "meta" or tensor.numel() == 0
+            owner = name if empty else first_at.setdefault(key, name)
+            self.owner[name] = owner
+            group = self.members.setdefault(owner, [])
+            if not any(t is tensor for t in group):
+                group.append(tensor)
+        self.shadow: dict[str, torch.Tensor] = {}
+        self.pending: set[str] = set()
+
+    def write(self, name: str) -> tuple[str, torch.Tensor]:
+        """The key and shadow that ``name`` is written into this version (made if missing)."""
+        key = self.owner[name]
+        self.pending.add(key)
+        return key, self._shadow(key)
+
+    def _shadow(self, key: str) -> torch.Tensor:
+        shadow = self.shadow.get(key)
+        if shadow is None:
+            live = self.members[key][0]
+            shadow = torch.empty(live.shape, dtype=live.dtype, device=live.device)
+            self.shadow[key] = shadow
+        return shadow
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes the shadows hold."""
+        return sum(shadow.nbytes for shadow in tuple(self.shadow.values()))
+
+    def reserve(self) -> None:
+        """Allocate every shadow now; :class:`AiosyncError` if they do not fit in free memory."""
+        missing = [key for key in self.members if key not in self.shadow]
+        needed: dict[torch.device, int] = {}
+        for key in missing:
+            live = self.members[key][0]
+            needed[live.device] = needed.get(live.device, 0) + live.nbytes
+        for device, count in needed.items():
+            free = free_bytes(device)
+            if free is not None and count > free:
+                raise AiosyncError(
+                    f"staging a second copy of the weights needs {count:,} bytes on {device}"
+                    f" ({count / 2**20:,.1f} MiB) but only {free:,} bytes"
+                    f" ({free / 2**20:,.1f} MiB) are free; free memory or use an in-place"
+                    " sink (staged=False)"
+                )
+        for key in missing:
+            self._shadow(key)
+
+    def _swappable(self, key: str) -> bool:
+        """Whether ``key``'s live storage is exactly its tensor and held by its names only."""
+        group = self.members[key]
+        live, shadow = group[0], self.shadow[key]
+        if live.is_meta or live.storage_offset() != 0:
+            return False
+        if not (live.is_contiguous() and shadow.is_contiguous()):
+            return False
+        storage = live.untyped_storage()
+        if storage.nbytes() != live.nbytes or live.nbytes == 0:
+            return False
+        holders = _holders(storage)
+        return holders is not None and holders <= len(group)
+
+    def commit(self) -> list[str]:
+        """Make every shadow written since the last commit live; returns the keys that moved.
+
+        A moved key's shadow is now the storage that was live (its cached views are stale).
+        """
+        moved: list[str] = []
+        for key in self.pending:
+            shadow = self.shadow[key]
+            group = self.members[key]
+            if self.swap == "pointer" and self._swappable(key):
+                was_live = group[0].data
+                for tensor in group:
+                    tensor.data = shadow
+                self.shadow[key] = was_live
+                moved.append(key)
+            else:
+                group[0].data.copy_(shadow, non_blocking=True)
+        self.pending.clear()
+        return moved
+
+    def abort(self) -> None:
+        """Forget what was written since the last commit (nothing live was touched)."""
+        self.pending.clear()
