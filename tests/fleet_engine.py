@@ -33,9 +33,14 @@ class SlowSink(ModuleSink):
     """A module sink that reports each bucket and then works for ``delay`` seconds."""
 
     def __init__(
-        self, model: dict[str, torch.Tensor], delay: float, staged: bool, die_in_commit: bool
+        self,
+        model: dict[str, torch.Tensor],
+        delay: float,
+        staged: bool,
+        die_in_commit: bool,
+        swap: str = "copy",
     ) -> None:
-        super().__init__(model, staged=staged)
+        super().__init__(model, staged=staged, swap=swap)
         self.delay = delay
         self.die_in_commit = die_in_commit
 
@@ -57,6 +62,7 @@ def main() -> None:
     parser.add_argument("--staged", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--die-in-commit", action="store_true")
+    parser.add_argument("--swap", default="copy", choices=["copy", "pointer"])
     args = parser.parse_args()
     model = {
         name: torch.zeros(t.shape, dtype=t.dtype, device=args.device)
@@ -64,7 +70,7 @@ def main() -> None:
     }
     if args.extra:
         model[args.extra] = torch.zeros(3)
-    sink = SlowSink(model, args.delay, args.staged, args.die_in_commit)
+    sink = SlowSink(model, args.delay, args.staged, args.die_in_commit, args.swap)
 
     def committed(version: int) -> None:
         emit("committed", version=version, digests={n: digest(t) for n, t in model.items()})
