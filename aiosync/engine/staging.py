@@ -23,7 +23,6 @@ from typing import Literal
 import torch
 
 from aiosync.core.errors import AiosyncError
-from aiosync.planes.memfd import memory_free
 
 Swap = Literal["copy", "pointer"]
 SWAPS: tuple[Swap, ...] = ("copy", "pointer")
@@ -38,6 +37,8 @@ def free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type == "cpu":
+        from aiosync.planes.memfd import memory_free  # not loaded by sinks that never stage
+
         return memory_free()
     return None
 
