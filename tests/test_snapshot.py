@@ -8,8 +8,16 @@ import anyio
 import pytest
 import torch
 
-from aiosync import ModuleSink, RejectedError, SenderConfig, WeightReceiver, WeightSender
-from aiosync.core.layout import TensorSpec
+from aiosync import (
+    MismatchError,
+    ModuleSink,
+    RejectedError,
+    SenderConfig,
+    WeightReceiver,
+    WeightSender,
+)
+from aiosync.core.layout import BucketPlan, TensorSpec
+from aiosync.planes.shm import ShmSenderPlane
 
 
 class SlowSink(ModuleSink):
@@ -63,3 +71,34 @@ async def test_packed_is_set_when_a_send_fails_too() -> None:
         with pytest.raises(RejectedError):
             await sender.send({"unknown": torch.ones(3)}, version=0, packed=packed)
         assert packed.is_set()
+
+
+async def test_check_snapshot_fails_a_version_changed_before_it_was_packed() -> None:
+    """The debugging aid: a step before `packed` (here, inside the first bucket's packing)
+    fails the version before any engine commits it."""
+    weights = {f"w{i}": torch.full((4096,), float(i)) for i in range(32)}
+    model = {name: torch.zeros(4096) for name in weights}
+    plane_pack = ShmSenderPlane.pack
+    stepped = []
+
+    def pack_and_step(self: ShmSenderPlane, index: int, plan: BucketPlan) -> None:
+        plane_pack(self, index, plan)
+        if not stepped:  # the trainer steps while the version is still being packed
+            stepped.append(True)
+            for tensor in weights.values():
+                tensor.add_(1.0)
+
+    config = SenderConfig(buffer_bytes=32 << 10, num_buffers=2, check_snapshot=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ShmSenderPlane, "pack", pack_and_step)
+        async with (
+            WeightReceiver(ModuleSink(model, staged=True)) as receiver,
+            WeightSender(receiver.endpoint, config=config) as sender,
+        ):
+            with pytest.raises(MismatchError, match="changed while the version was being packed"):
+                await sender.send(weights, version=0)
+            assert receiver.current_version is None
+            assert all(torch.equal(t, torch.zeros(4096)) for t in model.values())
+            stepped.append(True)  # no more steps
+            await sender.send(weights, version=1)  # unchanged while packed: commits
+            assert receiver.current_version == 1

@@ -50,6 +50,7 @@ class StreamRun:
         empty: bool = False,
         rebase: bool = False,
         packed: anyio.Event | None = None,
+        check_snapshot: Callable[[], None] | None = None,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
@@ -57,6 +58,7 @@ class StreamRun:
         self.manifest = manifest
         self.flags = {"empty": empty, "rebase": rebase}
         self._packed = packed
+        self._check_snapshot = check_snapshot
         self.vote = FleetVote(list(self.links), policy)
         self.progress = progress
         self._fanout: BucketFanout | None = None
@@ -74,6 +76,8 @@ class StreamRun:
                 payload = None
             if self.vote.verdict() is not Verdict.ABORT:
                 await self._stream(plans, payload)
+            if self._check_snapshot is not None:  # before any engine may commit
+                await anyio.to_thread.run_sync(self._check_snapshot)
             if self.vote.verdict() is not Verdict.ABORT:
                 await self._each(self._complete)
         except BaseException:

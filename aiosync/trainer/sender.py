@@ -51,6 +51,7 @@ from aiosync.pipeline.report import ProgressCallback, SyncReport
 from aiosync.pipeline.stream import StreamRun
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.runtime import require_asyncio, unwrap_group
+from aiosync.trainer.snapshot import snapshot_check
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class SenderConfig:
     seconds the sender tells idle engines it is alive (keep it well under their
     ``session_timeout``); a caller's REQ socket cannot, so its sessions are short.
     ``policy`` is the default commit policy, ``"all"`` or ``"available"``.
+    ``check_snapshot`` (a debugging aid) samples the tensors when a send starts and again
+    once they are packed, and fails the version if the trainer changed them in between.
     """
 
     buffer_bytes: int = 128 * MiB
@@ -86,6 +89,7 @@ class SenderConfig:
     keepalive: float = 10.0
     name: str = ""
     policy: Policy | str = Policy.ALL
+    check_snapshot: bool = False
 
     def __post_init__(self) -> None:
         if self.num_buffers < 1:
@@ -328,6 +332,7 @@ class WeightSender:
             empty=options.empty,
             rebase=options.rebase,
             packed=options.packed,
+            check_snapshot=snapshot_check(pairs) if self.config.check_snapshot and pairs else None,
         )
         most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
         plans = plan_buckets(
