@@ -48,7 +48,6 @@ from aiosync.channels.keys import (
     load_public_keys,
 )
 from aiosync.channels.zmq import (
-    RouterPeer,
     ZmqChannel,
     ZmqListener,
     is_loopback_endpoint,
@@ -56,9 +55,9 @@ from aiosync.channels.zmq import (
 )
 from aiosync.core.wire import Abort, decode
 from aiosync.runtime import child_env
+from tests.channel_helpers import GUARD, Served, recv, serving
 from tests.models import assert_same, mixed_weights, zeros_like
 
-GUARD = 30  # seconds: a hang guard only, never a measured bound
 LONG = 600.0  # a configured timeout the tests must stay far below
 LOOPBACK = "tcp://127.0.0.1:*"
 INSECURE = ChannelAuth(insecure_loopback=True)
@@ -99,41 +98,10 @@ def keys(tmp_path: Path) -> Keys:
     )
 
 
-class Served:
-    """A listener whose accept loop runs in the background; new peers from :meth:`next_peer`."""
-
-    def __init__(self, listener: ZmqListener) -> None:
-        self.listener = listener
-        self.endpoint = listener.endpoint
-        self._tx, self._rx = anyio.create_memory_object_stream[RouterPeer](64)
-
-    async def accept_forever(self) -> None:
-        while True:
-            self._tx.send_nowait(await self.listener.accept())
-
-    async def next_peer(self) -> RouterPeer:
-        with anyio.fail_after(GUARD):
-            return await self._rx.receive()
-
-    def pending(self) -> int:
-        return self._rx.statistics().current_buffer_used
-
-
 @asynccontextmanager
 async def listening(listener: ZmqListener) -> AsyncIterator[Served]:
-    served = Served(listener)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(served.accept_forever)
-            yield served
-            tg.cancel_scope.cancel()
-    finally:
-        await listener.aclose()
-
-
-async def recv(channel: ZmqChannel | RouterPeer) -> bytes:
-    with anyio.fail_after(GUARD):
-        return await channel.recv()
+    async with serving(listener) as served:
+        yield served
 
 
 @asynccontextmanager

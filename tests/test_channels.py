@@ -41,9 +41,9 @@ from aiosync.core.wire import (
     encode,
 )
 from aiosync.runtime import child_env
+from tests.channel_helpers import GUARD, Served, recv, serving
 from tests.models import assert_same, mixed_weights, zeros_like
 
-GUARD = 30  # seconds: a hang guard only, never a measured bound
 INSECURE = ChannelAuth(insecure_loopback=True)  # plain tcp on loopback, for these tests only
 
 
@@ -58,42 +58,13 @@ def private_endpoint(name: str = "chan") -> Iterator[tuple[str, Path]]:
         directory.rmdir()
 
 
-class Served:
-    """A bound listener whose accept loop runs in the background (it delivers every
-    known peer's messages too); new peers come out of :meth:`next_peer`."""
-
-    def __init__(self, listener: ZmqListener) -> None:
-        self.listener = listener
-        self.endpoint = listener.endpoint
-        self._tx, self._rx = anyio.create_memory_object_stream[RouterPeer](16)
-
-    async def accept_forever(self) -> None:
-        while True:
-            self._tx.send_nowait(await self.listener.accept())
-
-    async def next_peer(self) -> RouterPeer:
-        with anyio.fail_after(GUARD):
-            return await self._rx.receive()
-
-
 @asynccontextmanager
 async def listening(
     endpoint: str | None = None, auth: ChannelAuth | None = None
 ) -> AsyncIterator[Served]:
     """A bound listener (default: ``ipc://`` in a private directory), served, closed on exit."""
-    served = Served(ZmqListener.open(endpoint, auth=auth))
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(served.accept_forever)
-            yield served
-            tg.cancel_scope.cancel()
-    finally:
-        await served.listener.aclose()
-
-
-async def recv(channel: object) -> bytes:
-    with anyio.fail_after(GUARD):
-        return await channel.recv()  # type: ignore[attr-defined,no-any-return]
+    async with serving(ZmqListener.open(endpoint, auth=auth)) as served:
+        yield served
 
 
 # --------------------------------------------------------------------------------------
