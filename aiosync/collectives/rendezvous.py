@@ -1,0 +1,118 @@
+"""Where the ranks of a side group meet: a TCPStore on a chosen interface, and a token.
+
+torch's ``TCPStore`` server listens on every interface of the host when it opens its own
+socket. :func:`host_store` binds the listening socket itself (loopback by default, or the
+address of one named interface) and hands it to the store, so the rendezvous is reachable
+only where the caller chose.
+
+Each group's keys go under a prefix holding a random token (:func:`new_token`,
+:func:`token_store`). The token travels to engines over aiosync's authenticated control
+channel (inside the plane spec of the hello); a process that reaches the store without the
+token writes and waits on keys nobody else uses. The store itself, like NCCL and Gloo
+traffic, is not authenticated or encrypted (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import secrets
+import socket
+import struct
+from datetime import timedelta
+
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+LOOPBACK = "127.0.0.1"
+TOKEN_BYTES = 16
+TOKEN_HEX = 2 * TOKEN_BYTES
+_SIOCGIFADDR = 0x8915
+
+
+def new_token() -> str:
+    """A fresh random token for one group's key prefix (hex, 128 bits)."""
+    return secrets.token_hex(TOKEN_BYTES)
+
+
+def is_token(value: str) -> bool:
+    """True when ``value`` looks like a token from :func:`new_token` (checks hostile input)."""
+    return len(value) == TOKEN_HEX and all(c in "0123456789abcdef" for c in value)
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (``"lo"``, ``"eth0"``...)."""
+    if not name or len(name) >= 16:
+        raise ValueError(f"not an interface name: {name!r}")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+        except OSError as exc:
+            raise ValueError(f"no IPv4 address on interface {name!r}: {exc}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def valid_host(host: str) -> str:
+    """``host`` if it is a literal IPv4/IPv6 address (no names: nothing to resolve)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"not an IP address: {host!r}") from None
+    return host
+
+
+class HostedStore:
+    """A TCPStore server this process owns, listening on one address only.
+
+    ``store`` is the server's own client; ``host`` and ``port`` are what peers connect to.
+    Close it (or use ``with``) once every rank has joined and the group is done.
+    """
+
+    def __init__(self, host: str = LOOPBACK, *, timeout: timedelta) -> None:
+        family = socket.AF_INET6 if ":" in valid_host(host) else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._socket.bind((host, 0))
+            self._socket.listen(128)
+            self.host = host
+            self.port: int = self._socket.getsockname()[1]
+            self.store = TCPStore(
+                host,
+                self.port,
+                None,
+                True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=self._socket.fileno(),
+            )
+        except BaseException:
+            self._socket.close()
+            raise
+
+    def close(self) -> None:
+        """Stop listening (idempotent); clients already connected may keep their data."""
+        self._socket.close()
+
+    def __enter__(self) -> HostedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def host_store(host: str = LOOPBACK, *, timeout: timedelta) -> HostedStore:
+    """A store server listening on ``host`` only (loopback unless told otherwise)."""
+    return HostedStore(host, timeout=timeout)
+
+
+def connect_store(host: str, port: int, *, timeout: timedelta) -> TCPStore:
+    """A client of the store at ``host``:``port`` (blocking until it answers or ``timeout``)."""
+    if not 0 < port < 65536:
+        raise ValueError(f"not a port: {port}")
+    return TCPStore(valid_host(host), port, None, False, timeout=timeout)
+
+
+def token_store(store: Store, token: str) -> PrefixStore:
+    """``store`` seen through the prefix of ``token`` (what :func:`init_process_group` gets)."""
+    if not is_token(token):
+        raise ValueError("malformed rendezvous token")
+    return PrefixStore(f"aiosync/{token}/", store)
