@@ -1,0 +1,27 @@
+"""Colocated topologies: trainer ranks on an engine's GPUs hand it each bucket together.
+
+- :mod:`~aiosync.topology.layout` (pure): which engine covers which rank, source and
+  placeholder ranks, the dense offsets;
+- :mod:`~aiosync.topology.connect`: the Gloo groups of a layout, built collectively, cached;
+- :mod:`~aiosync.topology.parts` (pure) and :mod:`~aiosync.topology.gather`: a rank's bucket
+  description as msgpack bytes, gathered in ``uint8`` tensors (never pickled);
+- :mod:`~aiosync.topology.send`: the trainer ranks' sync;
+- :mod:`~aiosync.topology.engine`: the engine's side, one sink per GPU.
+"""
+
+from aiosync.topology.connect import connect_topology, disconnect_topology
+from aiosync.topology.engine import ColocatedReceiver
+from aiosync.topology.layout import EngineRange, Layout, derive_engine_gpu_offsets, plan_layout
+from aiosync.topology.send import ColocatedReport, send_colocated
+
+__all__ = [
+    "ColocatedReceiver",
+    "ColocatedReport",
+    "EngineRange",
+    "Layout",
+    "connect_topology",
+    "derive_engine_gpu_offsets",
+    "disconnect_topology",
+    "plan_layout",
+    "send_colocated",
+]

@@ -1,0 +1,206 @@
+"""The engine's side of a colocated sync: parts from several trainer ranks into its sinks.
+
+An engine spanning ``n`` GPUs has one sink per GPU (its tensor-parallel ranks); trainer rank
+``offset + i`` shares GPU ``i`` with it and hands sink ``i`` its part of every bucket. A
+:class:`ColocatedReceiver` is called as SGLang's engines are
+(``update_weights_from_tensor(serialized_named_tensors, load_format, flush_cache,
+weight_version)``, through any :class:`~aiosync.handles.EngineHandle`), once per bucket with
+one encoded :class:`~aiosync.topology.parts.RankPart` per GPU, then once more with parts
+marked ``last`` and no bytes, which checks that the version covered what every sink
+requires and makes it current. Every part is hostile input: decoded, its specs checked
+against the sink's expectations before any byte is copied, its buffer opened through
+:mod:`aiosync.planes` (sealed memfds on the CPU, CUDA IPC on a GPU) and closed again when
+the version ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.layout import TensorSpec
+from aiosync.core.limits import Limits
+from aiosync.core.manifest import Expectations
+from aiosync.core.wire import CudaIpcHandle, CudaIpcPlaneSpec, ShmHandle, ShmPlaneSpec
+from aiosync.engine.sinks import WeightSink
+from aiosync.handles.base import WeightSyncResult
+from aiosync.planes import ReceiverPlane, open_receiver_plane
+from aiosync.topology.parts import FORMAT, RankPart, decode_part
+
+log = logging.getLogger(__name__)
+
+
+class _Opened:
+    """One GPU's open buffer: the handle it was opened from and the plane holding it."""
+
+    def __init__(self, handle: ShmHandle | CudaIpcHandle, plane: ReceiverPlane) -> None:
+        self.handle = handle
+        self.plane = plane
+
+
+class ColocatedReceiver:
+    """Applies colocated trainer ranks' bucket parts to one sink per engine GPU.
+
+    ``sinks[i]`` takes the part of the ``i``-th trainer rank of the engine's range. Calls
+    return a :class:`~aiosync.handles.WeightSyncResult` and never raise for a peer's
+    fault: a refused part fails the call with text naming the rank and tensor, aborts the
+    version on every sink (a staged sink is left as it was) and closes what was opened.
+    ``weight_version`` (a string of an integer, as SGLang passes it) names the version;
+    None moves to the engine's next one (0 first). ``limits`` bound what a part may name.
+    """
+
+    def __init__(
+        self, sinks: Sequence[WeightSink], *, name: str = "engine", limits: Limits | None = None
+    ) -> None:
+        if not sinks:
+            raise ValueError("a colocated receiver needs at least one sink")
+        self.name = name
+        self._sinks = list(sinks)
+        self._limits = limits or Limits()
+        self._expectations: list[Expectations | None] = [s.expectations() for s in self._sinks]
+        self._opened: dict[int, _Opened] = {}
+        self._covered: list[set[str]] = [set() for _ in self._sinks]
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.current_version: int | None = None
+        """The version last made current (None before the first)."""
+        self.failures: list[str] = []
+        """Why calls failed, oldest first."""
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[bytes | str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> WeightSyncResult:
+        """Apply one bucket's parts (or, for parts marked last, commit the version)."""
+        if not self._lock.acquire(blocking=False):
+            return WeightSyncResult(False, f"{self.name}: another update is in progress")
+        try:
+            return self._update(serialized_named_tensors, load_format, weight_version)
+        except (AiosyncError, ValueError) as exc:
+            text = f"{self.name}: {exc}"
+            self.failures.append(text)
+            log.warning("%s", text)
+            self._abort()
+            return WeightSyncResult(False, text)
+        finally:
+            self._lock.release()
+
+    def _update(
+        self, entries: Sequence[bytes | str], load_format: str | None, weight_version: str | None
+    ) -> WeightSyncResult:
+        if load_format != FORMAT:
+            raise ProtocolError(f"load_format {load_format!r} is not {FORMAT!r}")
+        if len(entries) != len(self._sinks):
+            raise ProtocolError(f"{len(entries)} parts for an engine of {len(self._sinks)} GPUs")
+        parts = [self._decode(entry) for entry in entries]
+        version = self._version(weight_version)
+        lasts = {part.last for part in parts}
+        if len(lasts) != 1:
+            raise ProtocolError("some parts end the version and others do not")
+        for part in parts:
+            if part.error is not None:
+                raise AiosyncError(f"trainer rank {part.rank}: {part.error}", version=version)
+            if part.seq != self._seq:
+                raise ProtocolError(
+                    f"rank {part.rank} sent bucket {part.seq}, expected {self._seq}"
+                )
+        if lasts.pop():
+            return self._commit(version)
+        for index, part in enumerate(parts):
+            self._apply(index, part)
+        self._seq += 1
+        return WeightSyncResult(True, f"{self.name}: bucket {self._seq - 1} of version {version}")
+
+    def _decode(self, entry: bytes | str) -> RankPart:
+        if isinstance(entry, str):
+            raise ProtocolError("a part must be bytes (msgpack), not str")
+        return decode_part(entry)
+
+    def _version(self, weight_version: str | None) -> int:
+        if weight_version is None:
+            return 0 if self.current_version is None else self.current_version + 1
+        try:
+            return int(weight_version)
+        except (TypeError, ValueError):
+            raise ProtocolError(f"weight_version {weight_version!r} is not an integer") from None
+
+    def _plane(self, index: int, part: RankPart) -> ReceiverPlane:
+        handle = part.buffer
+        if handle is None:
+            raise ProtocolError(f"rank {part.rank} names no buffer for bucket {part.seq}")
+        opened = self._opened.get(index)
+        if opened is not None and opened.handle == handle:
+            return opened.plane
+        if opened is not None:
+            del self._opened[index]
+            opened.plane.close()
+        sink = self._sinks[index]
+        spec = (
+            ShmPlaneSpec([handle]) if isinstance(handle, ShmHandle) else CudaIpcPlaneSpec([handle])
+        )
+        plane = open_receiver_plane(spec, sink.device, self._limits)
+        self._opened[index] = _Opened(handle, plane)
+        return plane
+
+    def _check(self, index: int, specs: list[TensorSpec]) -> None:
+        expectations = self._expectations[index]
+        for spec in specs:
+            if expectations is not None:
+                expectations.check(spec)
+                if not spec.is_whole:
+                    expectations.check_chunked(spec.name)
+            if spec.is_last_chunk:
+                self._covered[index].add(spec.name)
+
+    def _apply(self, index: int, part: RankPart) -> None:
+        if part.used > self._limits.max_session_bytes:
+            raise ProtocolError(
+                f"rank {part.rank}: a bucket of {part.used} bytes is over the limit"
+            )
+        self._check(index, part.specs)
+        plane = self._plane(index, part)
+        view = plane.view(0, part.used)
+        try:
+            self._sinks[index].apply_bucket(view, part.specs)
+        finally:
+            del view
+
+    def _commit(self, version: int) -> WeightSyncResult:
+        for index, expectations in enumerate(self._expectations):
+            if expectations is None:
+                continue
+            missing = expectations.missing(self._covered[index])
+            if missing:
+                shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+                raise AiosyncError(f"GPU {index}: version misses {len(missing)} tensors: {shown}")
+        for sink in self._sinks:
+            sink.commit(version)
+        self.current_version = version
+        buckets = self._seq
+        self._reset()
+        return WeightSyncResult(True, f"{self.name}: version {version} current ({buckets} buckets)")
+
+    def _reset(self) -> None:
+        for opened in self._opened.values():
+            opened.plane.close()
+        self._opened.clear()
+        self._covered = [set() for _ in self._sinks]
+        self._seq = 0
+
+    def _abort(self) -> None:
+        for sink in self._sinks:
+            try:
+                sink.abort()
+            except Exception as exc:  # the original failure is what the caller needs
+                log.warning("%s: aborting a sink failed: %r", self.name, exc)
+        self._reset()
+
+    def close(self) -> None:
+        """Close every buffer still open and forget a version in progress (idempotent)."""
+        with self._lock:
+            self._abort()

@@ -1,0 +1,163 @@
+"""One trainer rank of the colocated-topology tests: Gloo on the CPU, commands on stdin.
+
+Started ``python -m tests.colocate_worker RANK WORLD STORE_FILE``. It joins a Gloo world
+through a file store, then runs one scenario per JSON line read from stdin (every rank
+reads the same line) and answers with one JSON line on stdout. Engines live in the process
+of their source rank: a :class:`~aiosync.topology.ColocatedReceiver` with one
+:class:`~aiosync.ModuleSink` per GPU of its range, reading the other ranks' sealed memfds
+(shared memory standing in for CUDA IPC).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aiosync.engine.sinks import ModuleSink
+from aiosync.handles.base import WeightSyncResult
+from aiosync.runtime import run
+from aiosync.topology import ColocatedReceiver, connect_topology, send_colocated
+
+STATE: dict[str, Any] = {}
+RELEASE = threading.Event()  # frees an engine told to hang, once the scenario is over
+
+
+def model(version: int, tensors: int = 6) -> dict[str, torch.Tensor]:
+    """The weights of ``version``: mixed dtypes and shapes, every rank computes the same."""
+    gen = torch.Generator().manual_seed(1000 + version)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(tensors):
+        shape = (3 + i, 5 + 2 * i)
+        base = torch.randn(shape, generator=gen)
+        if i % 3 == 0:
+            out[f"layers.{i}.weight"] = base
+        elif i % 3 == 1:
+            out[f"layers.{i}.weight"] = base.to(torch.bfloat16)
+        else:
+            out[f"layers.{i}.index"] = (base * 100).to(torch.int64)
+    return out
+
+
+def buckets(version: int, per_bucket: int) -> list[list[tuple[str, torch.Tensor]]]:
+    pairs = list(model(version).items())
+    return [pairs[i : i + per_bucket] for i in range(0, len(pairs), per_bucket)]
+
+
+class FailingEngine(ColocatedReceiver):
+    """A receiver that fails (or raises, or hangs) at one bucket, as a broken engine would."""
+
+    def __init__(self, *args: Any, mode: str, at: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mode = mode
+        self.at = at
+        self.calls = 0
+
+    def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> WeightSyncResult:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            if self.mode == "result":
+                return WeightSyncResult(False, "out of memory on purpose")
+            if self.mode == "raise":
+                raise RuntimeError("engine crashed on purpose")
+            RELEASE.wait(60)  # "hang": far past the engine budget, freed after the scenario
+        return super().update_weights_from_tensor(*args, **kwargs)
+
+
+def make_engines(layout: Any, rank: int, fail: dict[str, Any] | None) -> list[Any]:
+    engines: list[Any] = []
+    for engine in layout.engines:
+        if engine.source != rank:
+            engines.append(None)  # only the source resolves its engine's entry
+            continue
+        sinks = [ModuleSink({k: torch.zeros_like(v) for k, v in model(0).items()})]
+        sinks = sinks + [
+            ModuleSink({k: torch.zeros_like(v) for k, v in model(0).items()})
+            for _ in range(engine.count - 1)
+        ]
+        name = f"sglang-{engine.index}"
+        if fail is not None and fail["engine"] == engine.index:
+            engines.append(FailingEngine(sinks, name=name, mode=fail["mode"], at=fail["at"]))
+        else:
+            engines.append(ColocatedReceiver(sinks, name=name))
+    return engines
+
+
+def scenario(cmd: dict[str, Any]) -> dict[str, Any]:
+    rank = dist.get_rank()
+    started = time.monotonic()
+    layout = connect_topology(
+        engine_gpu_counts=cmd["counts"],
+        engine_gpu_offsets=cmd.get("offsets"),
+        worker_state=STATE,
+    )
+    out: dict[str, Any] = {
+        "rank": rank,
+        "engine": STATE["_ipc_engine_index"],
+        "src": STATE["_ipc_gather_src"],
+        "group": None if STATE["_ipc_gather_group"] is None else id(STATE["_ipc_gather_group"]),
+        "groups": len(STATE["_ipc_gather_groups"]),
+        "layout_key": json.loads(json.dumps(STATE["_ipc_layout_key"])),
+    }
+    engines = make_engines(layout, rank, cmd.get("fail"))
+    reports = []
+    try:
+        for version in cmd.get("versions", []):
+            sent = version if version is not None else None
+            bucket_list = buckets(len(reports) + 1, cmd.get("per_bucket", 2))
+
+            async def main(bucket_list: Any = bucket_list, sent: Any = sent) -> Any:
+                return await send_colocated(
+                    bucket_iterator=iter(bucket_list),
+                    rollout_engines=engines,
+                    worker_state=STATE,
+                    weight_version=sent,
+                    timeout=cmd.get("timeout"),
+                )
+
+            report = run(main)
+            reports.append({"buckets": report.buckets, "source": report.source})
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error_types"] = [c.__name__ for c in type(exc).__mro__]
+    finally:
+        RELEASE.set()
+    out["reports"] = reports
+    out["seconds"] = time.monotonic() - started
+    mine = [e for e in engines if e is not None]
+    if mine:
+        engine = mine[0]
+        expected = model(len(reports))
+        out["engine_version"] = engine.current_version
+        out["exact"] = all(
+            all(torch.equal(sink.targets[k], v) for k, v in expected.items())
+            for sink in engine._sinks
+        )
+        engine.close()
+    RELEASE.clear()
+    return out
+
+
+def main() -> None:
+    rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    print(json.dumps({"ready": rank}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "exit":
+            break
+        try:
+            result = scenario(cmd)
+        except Exception as exc:  # the test reads what went wrong
+            result = {"rank": rank, "fatal": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
