@@ -132,3 +132,101 @@ async def test_a_lease_held_past_the_swap_bound_refuses_the_version_and_nothing_
         await sender.send(weights(3.0), version=3)
         assert receiver.current_version == 3
         assert all(float(t[0]) == 3.0 for t in model.values())
+
+
+# --------------------------------------------------------------------------------------
+# when the sender's commit is acknowledged: ReceiverConfig(ack_at="live" | "staged")
+# --------------------------------------------------------------------------------------
+
+
+async def swap_waits(receiver: WeightReceiver) -> None:
+    """Return once a swap waits for the read leases (the version is complete and staged)."""
+    gate = receiver._leases
+    while not gate.swap_pending:
+        await gate.changed()
+
+
+def reads(model: dict[str, torch.Tensor]) -> set[float]:
+    return {float(v) for t in model.values() for v in (t[0], t[-1])}
+
+
+@pytest.mark.parametrize("swap", ["copy", "pointer"])
+@pytest.mark.parametrize("ack_at", ["live", "staged"])
+async def test_the_commit_ack_waits_for_the_swap_unless_acked_at_staging(
+    ack_at: str, swap: str
+) -> None:
+    model = weights(1.0)
+    config = ReceiverConfig(swap_timeout=30, ack_at=ack_at)  # type: ignore[arg-type]
+    sink = ModuleSink(model, staged=True, swap=swap)  # type: ignore[arg-type]
+    acked: dict[int, int | None] = {}  # version sent -> current_version when its ack came
+    done = {2: anyio.Event(), 3: anyio.Event()}
+    async with (
+        WeightReceiver(sink, config=config) as receiver,
+        WeightSender(receiver.endpoint, config=SenderConfig(buffer_bytes=16 << 10)) as sender,
+    ):
+
+        async def send(version: int) -> None:
+            await sender.send(weights(float(version)), version=version)
+            acked[version] = receiver.current_version
+            done[version].set()
+
+        await sender.send(weights(1.0), version=1)
+        async with anyio.create_task_group() as tg:
+            async with receiver.serving() as version:
+                tg.start_soon(send, 2)
+                with anyio.fail_after(10):
+                    await swap_waits(receiver)  # version 2 is staged; the lease holds it back
+                    if ack_at == "staged":
+                        await done[2].wait()  # the ack came while the lease is held
+                assert version == receiver.current_version == 1
+                assert reads(model) == {1.0}  # the weights read are still version 1's
+                if ack_at == "staged":
+                    assert acked[2] == 1  # acknowledged before it went live
+                    tg.start_soon(send, 3)  # its stream waits for version 2's swap
+                    await anyio.wait_all_tasks_blocked()
+                    assert not done[3].is_set()
+                else:
+                    await anyio.wait_all_tasks_blocked()
+                    assert not done[2].is_set()  # no ack while the lease holds the swap
+            with anyio.fail_after(10):
+                await receiver.wait_for_version(2, timeout=10)
+                async with receiver.serving() as version:
+                    assert version is not None
+                    assert reads(model) == {float(version)}
+        if ack_at == "live":
+            assert acked[2] == 2  # acknowledged once live
+        else:
+            assert acked[3] in (2, 3)  # acknowledged when staged: live a moment later
+            await receiver.wait_for_version(3, timeout=10)
+            assert reads(model) == {3.0}
+    assert receiver.current_version == (3 if ack_at == "staged" else 2)
+    assert receiver.swap_stats.committed == (3 if ack_at == "staged" else 2)
+    assert receiver.swap_stats.longest_wait > 0
+
+
+async def test_a_version_acked_at_staging_but_held_back_past_the_bound_is_dropped() -> None:
+    model = weights(1.0)
+    config = ReceiverConfig(swap_timeout=0.2, ack_at="staged")
+    async with (
+        WeightReceiver(ModuleSink(model, staged=True), config=config) as receiver,
+        WeightSender(receiver.endpoint) as sender,
+    ):
+        await sender.send(weights(1.0), version=1)
+        async with receiver.serving() as version:
+            assert version == 1
+            await sender.send(weights(2.0), version=2)  # acknowledged: staged
+            with anyio.fail_after(10):
+                while receiver.swap_stats.dropped == 0:  # held past swap_timeout: dropped
+                    await receiver._leases.changed()
+            assert reads(model) == {1.0}
+        assert receiver.current_version == 1
+        assert receiver.servable  # nothing was touched
+        assert "read leases still held" in str(receiver.last_failure)
+        await sender.send(weights(3.0), version=3)
+        assert await receiver.wait_for_version(3, timeout=10) == 3  # live just after its ack
+        assert reads(model) == {3.0}
+
+
+def test_ack_at_is_checked() -> None:
+    with pytest.raises(ValueError, match="ack_at"):
+        ReceiverConfig(ack_at="never")  # type: ignore[arg-type]

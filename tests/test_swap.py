@@ -9,6 +9,8 @@ not fit.
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 import torch
@@ -258,3 +260,64 @@ async def test_requests_under_read_leases_see_one_version_with_pointer_swap() ->
         await anyio.sleep(0.01)
     assert receiver.current_version == 7
     assert seen == sorted(seen) and len(set(seen)) > 1  # noqa: PT018
+
+
+async def test_a_view_taken_between_pointer_swaps_gets_each_version_by_copy() -> None:
+    engine = Net(seed=0)
+    weight = first_weight(engine)
+    async with (
+        WeightReceiver(ModuleSink(engine, staged=True, swap="pointer")) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        for version in (1, 2):  # swapped by pointer: the live storage is a staged one now
+            await sender.send(Net(seed=version).state_dict(), version=version)
+        held = engine.state_dict()  # views of the live storages, kept past a lease
+        pointer = weight.data_ptr()
+        for version in (3, 4):  # copied: the views see each version, never a staging area
+            trainer = Net(seed=version)
+            await sender.send(trainer.state_dict(), version=version)
+            assert same(engine, trainer)
+            assert all(torch.equal(held[k], v) for k, v in trainer.state_dict().items())
+            assert weight.data_ptr() == pointer
+        del held
+        await sender.send(Net(seed=5).state_dict(), version=5)  # no view: swapped again
+        assert same(engine, Net(seed=5))
+        assert weight.data_ptr() != pointer
+
+
+@pytest.mark.parametrize("case", ["pointer", "copy", "held view", "own commit"])
+async def test_only_a_commit_that_moves_no_bytes_runs_on_the_event_loop(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop_thread = threading.current_thread()
+    calls: list[tuple[bool, bool]] = []  # (on the loop's thread, pointers only)
+    commit = staging.Staging.commit
+
+    def watched(self: staging.Staging, *, pointers_only: bool = False) -> list[str] | None:
+        calls.append((threading.current_thread() is loop_thread, pointers_only))
+        return commit(self, pointers_only=pointers_only)
+
+    class OwnCommit(ModuleSink):
+        def commit(self, version: int) -> None:
+            super().commit(version)
+
+    monkeypatch.setattr(staging.Staging, "commit", watched)
+    engine = Net(seed=0)
+    kind = OwnCommit if case == "own commit" else ModuleSink
+    sink = kind(engine, staged=True, swap="copy" if case == "copy" else "pointer")
+    held = engine.state_dict() if case == "held view" else None
+    async with (
+        WeightReceiver(sink) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        trainer = Net(seed=1)
+        await sender.send(trainer.state_dict(), version=1)
+        assert same(engine, trainer)
+    expected = {
+        "pointer": [(True, True)],  # swapped on the loop, no thread hop
+        "copy": [(True, True), (False, False)],  # bytes move: in a worker thread
+        "held view": [(True, True), (False, False)],
+        "own commit": [(False, False)],  # a subclass's commit is always called
+    }[case]
+    assert calls == expected
+    assert held is None or torch.equal(held["layers.0.weight"], trainer.layers[0].weight)

@@ -26,6 +26,10 @@ class LeaseGate:
         self.longest_wait = 0.0  # seconds a swap waited for readers, the longest so far
         self._changed = anyio.Event()
 
+    async def changed(self) -> None:
+        """Return at the next change: a lease taken or released, a swap pending or done."""
+        await self._changed.wait()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()

@@ -44,6 +44,7 @@ from aiosync.core.engine_actions import (
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
 from aiosync.core.wire import Message, decode, encode
+from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.leases import LeaseGate
 from aiosync.engine.sinks import WeightSink
@@ -90,6 +91,7 @@ class WeightReceiver:
         self._limiter = anyio.CapacityLimiter(1)
         self._committed = anyio.Event()
         self._leases = LeaseGate()
+        self._swapper = Swapper(sink, self._leases, self.config, self._limiter)
         self._task_group: anyio.abc.TaskGroup | None = None
 
     # --- what an engine reads -------------------------------------------------------
@@ -119,6 +121,11 @@ class WeightReceiver:
     def last_failure(self) -> SyncFailure | None:
         """The most recent stream that failed, if any."""
         return self.failures[-1] if self.failures else None
+
+    @property
+    def swap_stats(self) -> SwapStats:
+        """How long versions took to go live here: waits for leases, swaps, commits."""
+        return self._swapper.stats
 
     @property
     def protocol_errors(self) -> int:
@@ -152,7 +159,8 @@ class WeightReceiver:
 
         While any lease is held no byte of a new version touches the weights: a version
         that completes meanwhile is made live at the first moment no lease is held (and its
-        sender acknowledged then). A lease asked for while such a swap waits, waits for it
+        sender acknowledged then, or already when it was staged with
+        ``ReceiverConfig(ack_at="staged")``). A lease asked for while such a swap waits, waits for it
         (at most ``timeout``, default ``swap_timeout``). Needs a staged sink: an in-place
         sink changes the weights as buckets arrive.
         """
@@ -355,22 +363,8 @@ class WeightReceiver:
             except Exception:
                 log.exception("sink failed to discard version %d", action.version)
             return []
-        if isinstance(action, CommitSink):
-            try:
-                async with self._leases.exclusive(self.config.swap_timeout):
-                    try:
-                        await anyio.to_thread.run_sync(
-                            self.sink.commit, action.version, limiter=self._limiter
-                        )
-                    except Exception as exc:
-                        error = AiosyncError(
-                            f"engine failed to commit: {exc}", version=action.version
-                        )
-                        return machine.commit_failed(action.peer, action.version, error)
-                    # live for every lease taken from now on, and only then acknowledged
-                    return machine.commit_done(action.peer, action.version, time.monotonic())
-            except SyncTimeoutError as exc:  # readers held on: nothing was touched
-                return machine.commit_failed(action.peer, action.version, exc, touched=False)
+        if isinstance(action, CommitSink):  # under the lease gate; acked when live or staged
+            return await self._swapper.commit(machine, action, self._reply)
         if isinstance(action, Committed):
             await self._committed_hook(action.version)
         elif isinstance(action, Note):

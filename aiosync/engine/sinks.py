@@ -255,10 +255,32 @@ class ModuleSink:
         """Staged mode: make every shadow written since the last commit live (``swap``)."""
         with torch.no_grad():
             moved = self._staging.commit() if self._staging is not None else []
+        self._committed(moved or ())
+        _sync_cuda(self._devices)
+
+    def commit_quickly(self, version: int) -> bool:
+        """Commit now if no byte has to move (in place, or every tensor swaps by pointer).
+
+        Returns False, having done nothing, otherwise (call :meth:`commit`), and always for
+        a subclass that overrides :meth:`commit`. The receiver calls it on its event loop
+        to spare a pointer swap the hop to a worker thread.
+        """
+        if type(self).commit is not ModuleSink.commit:
+            return False
+        if self._staging is None:
+            self._committed(())
+            return True
+        with torch.no_grad():
+            moved = self._staging.commit(pointers_only=True)
+        if moved is None:
+            return False
+        self._committed(moved)
+        return True
+
+    def _committed(self, moved: Iterable[str]) -> None:
         for key in moved:  # its shadow is now another storage: drop the cached view
             self._bytes.pop(key, None)
         self._writer.clear()
-        _sync_cuda(self._devices)
 
     def abort(self) -> None:
         """Staged mode: forget written shadows (the model was never touched)."""

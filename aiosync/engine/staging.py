@@ -71,6 +71,10 @@ class Staging:
                 group.append(tensor)
         self.shadow: dict[str, torch.Tensor] = {}
         self.pending: set[str] = set()
+        # pointer swap: the tensor we made live last (it holds the live storage) and its
+        # address; while the live tensor still has that address, its layout is known
+        self._standby: dict[str, torch.Tensor] = {}
+        self._placed: dict[str, int] = {}
 
     def write(self, name: str) -> tuple[str, torch.Tensor]:
         """The key and shadow that ``name`` is written into this version (made if missing)."""
@@ -111,9 +115,18 @@ class Staging:
             self._shadow(key)
 
     def _swappable(self, key: str) -> bool:
-        """Whether ``key``'s live storage is exactly its tensor and held by its names only."""
+        """Whether ``key``'s live storage is exactly its tensor and held by its names only.
+
+        Once this sink made a storage live, its layout is known (a shadow it allocated) and
+        only the holders are counted: a few calls into torch per tensor.
+        """
         group = self.members[key]
-        live, shadow = group[0], self.shadow[key]
+        live = group[0]
+        placed = self._placed.get(key)
+        if placed is not None and placed == live.data_ptr():
+            holders = _holders(live.untyped_storage())
+            return holders is not None and holders <= len(group) + 1  # + our standby
+        shadow = self.shadow[key]
         if live.is_meta or live.storage_offset() != 0:
             return False
         if not (live.is_contiguous() and shadow.is_contiguous()):
@@ -124,25 +137,36 @@ class Staging:
         holders = _holders(storage)
         return holders is not None and holders <= len(group)
 
-    def commit(self) -> list[str]:
+    def commit(self, *, pointers_only: bool = False) -> list[str] | None:
         """Make every shadow written since the last commit live; returns the keys that moved.
 
         A moved key's shadow is now the storage that was live (its cached views are stale).
+        ``pointers_only``: do nothing and return None unless every written shadow can go
+        live by pointer (the receiver then commits on its event loop: no bytes move).
         """
-        moved: list[str] = []
-        for key in self.pending:
-            shadow = self.shadow[key]
-            group = self.members[key]
-            if self.swap == "pointer" and self._swappable(key):
-                was_live = group[0].data
-                for tensor in group:
-                    tensor.data = shadow
-                self.shadow[key] = was_live
-                moved.append(key)
-            else:
-                group[0].data.copy_(shadow, non_blocking=True)
+        pointer = self.swap == "pointer"
+        movable = [key for key in self.pending if pointer and self._swappable(key)]
+        if pointers_only and len(movable) != len(self.pending):
+            return None
+        for key in movable:
+            self._move(key)
+        if len(movable) != len(self.pending):
+            for key in self.pending.difference(movable):
+                self.members[key][0].data.copy_(self.shadow[key], non_blocking=True)
         self.pending.clear()
-        return moved
+        return movable
+
+    def _move(self, key: str) -> None:
+        """Hand ``key``'s shadow storage to its live tensors; the old one becomes the shadow."""
+        group, shadow = self.members[key], self.shadow[key]
+        standby = self._standby.get(key)
+        if standby is None or self._placed.get(key) != group[0].data_ptr():
+            standby = group[0].data  # a first swap, or the live tensor was replaced
+        for tensor in group:
+            tensor.data = shadow
+        self.shadow[key] = standby
+        self._standby[key] = shadow
+        self._placed[key] = shadow.data_ptr()
 
     def abort(self) -> None:
         """Forget what was written since the last commit (nothing live was touched)."""

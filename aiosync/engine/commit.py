@@ -1,0 +1,136 @@
+"""How a receiver makes a complete version live, and when its sender hears of it.
+
+:class:`Swapper` carries out the session's ``CommitSink`` action: it takes the lease gate
+exclusively (waiting, at most ``swap_timeout``, until no read lease is held), has the sink
+make the version live, and reports to the session, which then acknowledges the sender.
+With ``ReceiverConfig(ack_at="staged")`` the acknowledgement goes out before the wait, as
+soon as the version is staged (see :class:`~aiosync.ReceiverConfig` for what it promises).
+
+A sink whose commit moves no bytes (``commit_quickly``: a pointer swap) is committed on the
+event loop itself; anything else runs in a worker thread, as every apply does.
+:class:`SwapStats` records how long each step took.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+
+from aiosync.core.engine_actions import Action, CommitSink, Peer, Reply
+from aiosync.core.engine_session import EngineSession
+from aiosync.core.errors import AiosyncError, SyncTimeoutError
+from aiosync.core.wire import Ack, Message
+from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.leases import LeaseGate
+from aiosync.engine.sinks import WeightSink
+
+log = logging.getLogger(__name__)
+
+SendReply = Callable[[Peer, Message], Awaitable[None]]
+
+
+@dataclass
+class SwapStats:
+    """Seconds spent making versions live, as measured inside the receiver.
+
+    ``last_wait``/``longest_wait``: waiting for read leases to be released; ``last_swap``:
+    the sink's commit (the swap itself); ``last_commit``: from the commit message's action
+    to the version being live and its acknowledgement handed to the channel (wait
+    included); ``committed``/``dropped``: versions made live / not made live at this step.
+    """
+
+    committed: int = 0
+    dropped: int = 0
+    last_wait: float = 0.0
+    longest_wait: float = 0.0
+    last_swap: float = 0.0
+    last_commit: float = 0.0
+
+
+class Swapper:
+    """Carries out ``CommitSink`` for one receiver (its sink, gate, config and limiter)."""
+
+    def __init__(
+        self,
+        sink: WeightSink,
+        leases: LeaseGate,
+        config: ReceiverConfig,
+        limiter: anyio.CapacityLimiter,
+    ) -> None:
+        self.sink = sink
+        self.leases = leases
+        self.config = config
+        self.limiter = limiter
+        self.stats = SwapStats()
+
+    async def commit(
+        self, machine: EngineSession, action: CommitSink, reply: SendReply
+    ) -> list[Action]:
+        """Make ``action.version`` live; returns the session's actions (the ack among them).
+
+        With ``ack_at="staged"`` the ack has been sent before this waits, so the actions
+        returned carry no reply to this sender: a refusal after that is logged instead.
+        """
+        started = time.perf_counter()
+        early = self.config.ack_at == "staged" and self.sink.staged
+        if early:
+            early = await self._ack_now(machine, action, reply)
+        try:
+            async with self.leases.exclusive(self.config.swap_timeout):
+                waited = time.perf_counter() - started
+                try:
+                    await self._swap(action.version)
+                except Exception as exc:
+                    error = AiosyncError(f"engine failed to commit: {exc}", version=action.version)
+                    actions = machine.commit_failed(action.peer, action.version, error)
+                    self.stats.dropped += 1
+                else:  # live for every lease taken from now on, and only then acknowledged
+                    actions = machine.commit_done(action.peer, action.version, time.monotonic())
+                    self.stats.committed += 1
+        except SyncTimeoutError as exc:  # readers held on: nothing was touched
+            waited = time.perf_counter() - started
+            actions = machine.commit_failed(action.peer, action.version, exc, touched=False)
+            self.stats.dropped += 1
+        self.stats.last_wait = waited
+        self.stats.longest_wait = max(self.stats.longest_wait, waited)
+        if early:
+            actions = self._without_reply(action, actions)
+        self.stats.last_commit = time.perf_counter() - started
+        return actions
+
+    async def _swap(self, version: int) -> None:
+        """The sink's commit: on the loop when no byte moves, else in a worker thread."""
+        started = time.perf_counter()
+        quick = getattr(self.sink, "commit_quickly", None)
+        if quick is None or not quick(version):
+            await anyio.to_thread.run_sync(self.sink.commit, version, limiter=self.limiter)
+        self.stats.last_swap = time.perf_counter() - started
+
+    async def _ack_now(self, machine: EngineSession, action: CommitSink, reply: SendReply) -> bool:
+        """Acknowledge the commit before it goes live; False if there is no stream to ack."""
+        session = machine.sessions.get(action.peer)
+        stream = session.stream if session is not None else None
+        if stream is None or stream.version != action.version:
+            return False
+        await reply(action.peer, Ack(action.version, stream.next_seq - 1, True))
+        return True
+
+    def _without_reply(self, action: CommitSink, actions: list[Action]) -> list[Action]:
+        """``actions`` less their reply to the sender already acknowledged at staging."""
+        kept: list[Action] = []
+        for each in actions:
+            if isinstance(each, Reply) and each.peer == action.peer:
+                message = each.message
+                if isinstance(message, Ack) and not message.ok:
+                    log.warning(
+                        "version %d was acknowledged when staged but not made live: %s",
+                        action.version,
+                        message.error,
+                    )
+                continue
+            kept.append(each)
+        return kept
