@@ -160,9 +160,9 @@ class WeightReceiver:
         While any lease is held no byte of a new version touches the weights: a version
         that completes meanwhile is made live at the first moment no lease is held (and its
         sender acknowledged then, or already when it was staged with
-        ``ReceiverConfig(ack_at="staged")``). A lease asked for while such a swap waits, waits for it
-        (at most ``timeout``, default ``swap_timeout``). Needs a staged sink: an in-place
-        sink changes the weights as buckets arrive.
+        ``ReceiverConfig(ack_at="staged")``). A lease asked for while such a swap waits,
+        waits for it (at most ``timeout``, default ``swap_timeout``). Needs a staged sink:
+        an in-place sink changes the weights as buckets arrive.
         """
         if not self.sink.staged:
             raise UsageError("read leases need a staged sink (ModuleSink(model, staged=True))")
