@@ -8,6 +8,7 @@ tensors of another dtype on arrival, and without it a dtype mismatch is refused.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import pytest
@@ -257,3 +258,95 @@ async def test_callback_sink_casts_to_the_expected_dtype() -> None:
 def test_callback_sink_cast_needs_expected_dtypes() -> None:
     with pytest.raises(ValueError, match="needs expected"):
         CallbackSink(lambda pairs: None, cast=True)
+
+
+# --------------------------------------------------------------------------------------
+# renames on a CallbackSink
+# --------------------------------------------------------------------------------------
+
+
+def callback_weights(seed: int) -> dict[str, torch.Tensor]:
+    """Sender's names; ``model.embed`` (80 KB) is chunked across 64 KiB buckets."""
+    torch.manual_seed(seed)
+    return {"model.embed": torch.randn(100, 200), "model.norm": torch.randn(200)}
+
+
+CALLBACK_EXPECTED = {"embed": (torch.float32, (100, 200)), "norm": (torch.float32, (200,))}
+
+
+class Loaded:
+    """A ``load_weights`` callback that keeps a copy of what it was handed, by name."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, torch.Tensor] = {}
+        self.calls = 0
+
+    def __call__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.calls += 1
+        for name, tensor in pairs:
+            self.got[name] = tensor.clone()
+
+
+@pytest.mark.parametrize("kind", ["mapping", "function"])
+async def test_callback_sink_renames_what_it_hands_on_and_checks_renamed_names(kind: str) -> None:
+    loaded = Loaded()
+    table = {"model.embed": "embed", "model.norm": "norm"}
+    rename = table if kind == "mapping" else (lambda name: name.removeprefix("model."))
+    sink = CallbackSink(loaded, expected=CALLBACK_EXPECTED, rename=rename)
+    async with (
+        WeightReceiver(sink) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        for version in (0, 1):  # the same names again in the next version
+            sent = callback_weights(seed=version)
+            await sender.send(sent, version=version)
+            assert loaded.got.keys() == {"embed", "norm"}
+            assert all(torch.equal(loaded.got[table[n]], t) for n, t in sent.items())
+        calls = loaded.calls
+        with pytest.raises(
+            RejectedError, match=r"no such tensor in the engine \(renamed to '(model\.)?extra'\)"
+        ) as info:
+            await sender.send({**sent, "model.extra": torch.ones(2)}, version=2)
+        assert info.value.tensor == "model.extra"  # named as sent
+        partial = {"model.embed": sent["model.embed"]}
+        with pytest.raises(RejectedError, match=r"misses 1 required tensors: norm"):
+            await sender.send(partial, version=2)
+        assert loaded.calls == calls  # refused before anything was handed on
+        assert receiver.current_version == 1
+
+
+async def test_callback_sink_refuses_two_names_renamed_to_one_before_any_byte_moves() -> None:
+    loaded = Loaded()
+    table = {"model.embed": "embed", "model.norm": "norm", "copy.norm": "norm"}
+    sink = CallbackSink(loaded, expected=CALLBACK_EXPECTED, rename=table)
+    async with (
+        WeightReceiver(sink) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        sent = {**callback_weights(seed=0), "copy.norm": torch.zeros(200)}
+        with pytest.raises(
+            RejectedError, match=re.escape("'model.norm' and 'copy.norm' are renamed to 'norm'")
+        ):
+            await sender.send(sent, version=0)
+        assert loaded.calls == 0
+        assert receiver.current_version is None
+
+
+async def test_callback_sink_without_expectations_refuses_a_second_name_when_it_arrives() -> None:
+    loaded = Loaded()
+    sink = CallbackSink(loaded, rename=lambda name: name.split(".")[-1])
+    async with (
+        WeightReceiver(sink) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        await sender.send({"a.w": torch.ones(4), "b.v": torch.ones(4)}, version=0)
+        assert loaded.got.keys() == {"w", "v"}
+        with pytest.raises(
+            RejectedError, match=re.escape("'a.w' and 'b.w' are renamed to 'w'")
+        ) as info:
+            await sender.send({"a.w": torch.ones(4), "b.w": torch.ones(4)}, version=1)
+        assert info.value.tensor == "b.w"
+        assert receiver.current_version == 0
+        await sender.send({"a.w": torch.full((4,), 2.0)}, version=1)  # a fresh version is fine
+        assert receiver.current_version == 1
+        assert torch.equal(loaded.got["w"], torch.full((4,), 2.0))

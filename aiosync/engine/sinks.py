@@ -10,7 +10,7 @@ at the end of the version.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -27,7 +27,9 @@ from aiosync.core.layout import (
     spec_bytes,
     tensor_bytes,
 )
-from aiosync.core.manifest import Expectations, Expected, expectations_of, module_tensors
+from aiosync.core.manifest import Expectations, expectations_of, module_tensors
+from aiosync.engine.callback_sink import CallbackSink, LoadWeights
+from aiosync.engine.sink_tools import Rename, rename_function, sync_cuda
 from aiosync.engine.staging import SWAPS, Staging, Swap
 
 
@@ -59,24 +61,6 @@ class WeightSink(Protocol):
 
     def abort(self) -> None:
         """Forget everything applied since the last commit that is not yet visible."""
-
-
-def _sync_cuda(devices: Iterable[torch.device]) -> None:
-    """Wait for this thread's copies on every CUDA device among ``devices``."""
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-
-
-Rename = Mapping[str, str] | Callable[[str], str]
-
-
-def rename_function(rename: Rename | None) -> Callable[[str], str] | None:
-    """``rename`` as a function; a mapping leaves names it does not list as they are."""
-    if rename is None or callable(rename):
-        return rename
-    table = dict(rename)
-    return lambda name: table.get(name, name)
 
 
 class ModuleSink:
@@ -249,14 +233,14 @@ class ModuleSink:
                     copy_bytes(dst_bytes, raw)
                 else:
                     copy_bytes(dst_bytes[spec.start : spec.start + spec.nbytes], raw)
-        _sync_cuda(self._devices)
+        sync_cuda(self._devices)
 
     def commit(self, version: int) -> None:
         """Staged mode: make every shadow written since the last commit live (``swap``)."""
         with torch.no_grad():
             moved = self._staging.commit() if self._staging is not None else []
         self._committed(moved or ())
-        _sync_cuda(self._devices)
+        sync_cuda(self._devices)
 
     def commit_quickly(self, version: int) -> bool:
         """Commit now if no byte has to move (in place, or every tensor swaps by pointer).
@@ -290,99 +274,4 @@ class ModuleSink:
         self._assembling.clear()
 
 
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
-
-
-class CallbackSink:
-    """Hands each bucket's tensors to ``load_weights(pairs)``, the shape of vLLM's loader.
-
-    The tensors are views into shared memory, valid only during the call: the callback must
-    copy what it keeps. A tensor split across buckets is assembled first and passed whole.
-    ``expected`` (name -> (dtype, shape)) enables checks before anything is passed on, and
-    then a version must cover ``required`` (default: every expected name). With
-    ``expected``, ``cast=True`` accepts a floating tensor in another floating dtype and
-    hands it on converted to the expected dtype (a new tensor, assembled first if chunked).
-    """
-
-    def __init__(
-        self,
-        load_weights: LoadWeights,
-        *,
-        device: torch.device | str = "cpu",
-        expected: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
-        required: Iterable[str] | None = None,
-        on_commit: Callable[[int], object] | None = None,
-        cast: bool = False,
-    ) -> None:
-        if cast and expected is None:
-            raise ValueError("cast=True needs expected= (the dtypes to cast to)")
-        self._cast = cast
-        self._load = load_weights
-        self._device = torch.device(device)
-        self._expected = expected
-        self._required = required
-        self._on_commit = on_commit
-        self._assembling: dict[str, torch.Tensor] = {}
-
-    @property
-    def device(self) -> torch.device:
-        """Where the callback wants its tensors."""
-        return self._device
-
-    @property
-    def staged(self) -> bool:
-        """False: the callback applies tensors as they arrive."""
-        return False
-
-    def expectations(self) -> Expectations | None:
-        """With ``expected``: those names, dtypes and shapes; otherwise None (anything)."""
-        if self._expected is None:
-            return None
-        tensors = {
-            name: Expected(
-                dtype_name(dtype), tuple(shape), castable=self._cast and dtype.is_floating_point
-            )
-            for name, (dtype, shape) in self._expected.items()
-        }
-        required = self._expected if self._required is None else self._required
-        return Expectations(tensors, frozenset(required))
-
-    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
-        """Pass whole tensors on in one call; keep chunks until their tensor is whole."""
-        ready: list[tuple[str, torch.Tensor]] = []
-        for spec in specs:
-            raw = spec_bytes(bucket, spec)
-            if spec.is_whole:
-                ready.append((spec.name, bytes_as_tensor(raw, spec)))
-                continue
-            whole = self._assembling.get(spec.name)
-            if whole is None:
-                whole = torch.empty(
-                    spec.shape, dtype=dtype_from_name(spec.dtype), device=raw.device
-                )
-                self._assembling[spec.name] = whole
-            copy_bytes(tensor_bytes(whole)[spec.start : spec.start + spec.nbytes], raw)
-            if spec.is_last_chunk:
-                ready.append((spec.name, self._assembling.pop(spec.name)))
-        if ready and self._cast:
-            ready = [(name, self._converted(name, tensor)) for name, tensor in ready]
-        if ready:
-            self._load(ready)
-        _sync_cuda([self._device])
-
-    def _converted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` in the dtype expected under ``name`` (itself when it already is)."""
-        assert self._expected is not None  # cast needs expected (checked in __init__)
-        want = self._expected.get(name)
-        if want is None or want[0] == tensor.dtype:
-            return tensor
-        return tensor.to(want[0])
-
-    def commit(self, version: int) -> None:
-        """Call ``on_commit(version)`` if given."""
-        if self._on_commit is not None:
-            self._on_commit(version)
-
-    def abort(self) -> None:
-        """Drop half-assembled tensors."""
-        self._assembling.clear()
+__all__ = ["CallbackSink", "LoadWeights", "ModuleSink", "Rename", "WeightSink"]
