@@ -1,0 +1,134 @@
+"""The server's control messages (msgpack through msgspec, never Python objects).
+
+Subscribers and clients talk to a server's *control* endpoint with these; weights never
+travel here. Versions reach a subscriber as an ordinary weight stream (protocol v2,
+:mod:`aiosync.core.wire`) from the server to the subscriber's receiver.
+
+=============  ==========  ==========================================================
+message        direction   meaning
+=============  ==========  ==========================================================
+``subscribe``  C -> S      send versions to the receiver at ``endpoint``; may lag ``max_lag``
+``fetch``      C -> S      send this retained version and stay on it (stop following)
+``follow``     C -> S      follow the newest version again
+``status?``    C -> S      report versions and engines now
+``wait``       C -> S      answer once engines are within bounds / have a version
+``status``     S -> C      the answer: newest, retained, each engine's version and lag
+``refused``    S -> C      a request refused, with the reason
+``closing``    S -> C      the server is shutting down
+=============  ==========  ==========================================================
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from aiosync.core.errors import ProtocolError
+
+
+class Subscribe(msgspec.Struct, frozen=True, tag="subscribe"):
+    """Send versions to the receiver at ``endpoint`` (it may lag ``max_lag`` versions)."""
+
+    name: str
+    endpoint: str
+    max_lag: int = 0
+    follow: bool = True
+
+
+class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
+    """Send the retained ``version`` and keep the subscriber on it."""
+
+    version: int
+
+
+class Follow(msgspec.Struct, frozen=True, tag="follow"):
+    """Follow the newest version again."""
+
+
+class StatusRequest(msgspec.Struct, frozen=True, tag="status?"):
+    """Ask for a :class:`Status`."""
+
+
+class Wait(msgspec.Struct, frozen=True, tag="wait"):
+    """Answer (a :class:`Status`) once the condition holds, or ``refused`` after ``timeout``.
+
+    With ``version``: once every engine in ``engines`` (default: all) holds it or newer;
+    without: once every engine is within its lag bound.
+    """
+
+    timeout: float
+    version: int | None = None
+    engines: list[str] | None = None
+
+
+class EngineStatus(msgspec.Struct, frozen=True, array_like=True):
+    """One subscriber as the server sees it."""
+
+    name: str
+    version: int | None
+    max_lag: int
+    lag: int | None
+    connected: bool
+
+
+class Status(msgspec.Struct, frozen=True, tag="status"):
+    """The server now: newest and retained versions, and every engine."""
+
+    newest: int | None
+    retained: list[int]
+    engines: list[EngineStatus]
+
+
+class Refused(msgspec.Struct, frozen=True, tag="refused"):
+    """A request the server will not carry out."""
+
+    reason: str
+
+
+class Closing(msgspec.Struct, frozen=True, tag="closing"):
+    """The server is shutting down."""
+
+    reason: str
+
+
+Request = Subscribe | Fetch | Follow | StatusRequest | Wait
+Reply = Status | Refused | Closing
+ControlMessage = Request | Reply
+
+MAX_CONTROL_BYTES = 1 << 20
+"""Largest control message either side accepts."""
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(Request)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: ControlMessage) -> bytes:
+    """One control message as msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def _check(data: bytes) -> None:
+    if len(data) > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"{len(data)}-byte control message (most {MAX_CONTROL_BYTES})")
+
+
+def _undecodable(data: bytes, exc: Exception) -> ProtocolError:
+    return ProtocolError(f"undecodable control message ({len(data)} bytes): {exc}")
+
+
+def decode_request(data: bytes) -> Request:
+    """A client's request; :class:`ProtocolError` if malformed or too large."""
+    _check(data)
+    try:
+        return _requests.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _undecodable(data, exc) from None
+
+
+def decode_reply(data: bytes) -> Reply:
+    """A server's reply; :class:`ProtocolError` if malformed or too large."""
+    _check(data)
+    try:
+        return _replies.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _undecodable(data, exc) from None

@@ -1,0 +1,160 @@
+"""The server's metrics (``prometheus-client``, the ``server`` extra) and its health check.
+
+Each server has a registry of its own (two servers in one process do not mix). The HTTP
+endpoint is off unless asked for, and binds loopback only: :func:`serve_metrics` refuses
+any other host. ``/metrics`` is the Prometheus text format; ``/healthz`` answers 200 once
+the server holds a version and 503 before (its body says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from aiosync.core.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+STAGES = ("publish", "transfer", "late_join")
+"""Latency histograms: a publisher's version until held, a transfer to one engine, and a
+new engine's wait from subscribing to its first version."""
+
+
+def _require() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise UsageError(
+            "server metrics need prometheus-client: pip install 'aiosync[server]'"
+        ) from None
+    return prometheus_client
+
+
+class ServerMetrics:
+    """Counters, gauges and per-stage latency histograms of one server."""
+
+    def __init__(self) -> None:
+        prom = _require()
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        self.published = prom.Counter("aiosync_versions_published", "Versions retained", registry=r)
+        self.served = prom.Counter(
+            "aiosync_versions_served", "Versions committed by subscribers", registry=r
+        )
+        self.bytes_in = prom.Counter("aiosync_bytes_published", "Bytes published", registry=r)
+        self.bytes_out = prom.Counter("aiosync_bytes_served", "Bytes streamed", registry=r)
+        self.failures = prom.Counter(
+            "aiosync_transfer_failures", "Transfers to subscribers that failed", registry=r
+        )
+        self.latency = prom.Histogram(
+            "aiosync_stage_seconds",
+            "Seconds per stage",
+            ["stage"],
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.newest = prom.Gauge("aiosync_newest_version", "Newest retained version", registry=r)
+        self.retained_bytes = prom.Gauge(
+            "aiosync_retained_bytes", "Shared memory held by retained versions", registry=r
+        )
+        self.engines = prom.Gauge("aiosync_engines_connected", "Subscribers connected", registry=r)
+        self.engine_version = prom.Gauge(
+            "aiosync_engine_version", "Each engine's version", ["engine"], registry=r
+        )
+        self.engine_lag = prom.Gauge(
+            "aiosync_engine_lag", "Versions each engine lags", ["engine"], registry=r
+        )
+
+    def engine(self, name: str, version: int | None, lag: int | None) -> None:
+        """Record one engine's version and lag (-1: none yet)."""
+        self.engine_version.labels(name).set(-1 if version is None else version)
+        self.engine_lag.labels(name).set(-1 if lag is None else lag)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop the per-engine series of engines that left."""
+        for name in names:
+            for gauge in (self.engine_version, self.engine_lag):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(name)
+
+    def text(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return bytes(_require().generate_latest(self.registry))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class MetricsEndpoint:
+    """A small HTTP server on a loopback address, in a thread of its own."""
+
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        health: Callable[[], tuple[bool, dict[str, Any]]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        if not _loopback(host):
+            raise UsageError(f"the metrics endpoint binds loopback only, not {host!r}")
+        self._metrics = metrics
+        self._health = health
+        handler = self._handler()
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="aiosync-metrics", daemon=True
+        )
+
+    @property
+    def address(self) -> str:
+        """``http://host:port`` of the endpoint."""
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    body, status = endpoint._metrics.text(), 200
+                    kind = "text/plain; version=0.0.4"
+                elif self.path == "/healthz":
+                    ok, detail = endpoint._health()
+                    body, status = json.dumps(detail).encode(), 200 if ok else 503
+                    kind = "application/json"
+                else:
+                    body, status, kind = b"not found\n", 404, "text/plain"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("metrics: " + format, *args)
+
+        return Handler
+
+    def start(self) -> None:
+        """Serve in the background thread."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and join the thread."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()

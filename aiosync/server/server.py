@@ -1,0 +1,472 @@
+"""The weight server: publishers send versions to it, engines subscribe and take them.
+
+Embed it (``async with WeightServer() as server``) or run ``aiosync serve``. Towards a
+publisher it is an engine: an ordinary :class:`~aiosync.engine.receiver.WeightReceiver`
+(every check, limit and key of a receiver applies) whose sink retains each version in
+shared memory, so a trainer's ``send`` returns once the server holds the version. Towards
+each subscriber it is a sender (:mod:`aiosync.server.feed`): it streams the newest retained
+version whole from that memory, at the subscriber's pace, so a slow engine never slows the
+publisher beyond the retention bound and a late joiner is served at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import AsyncExitStack, suppress
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from aiosync.channels.base import Channel
+from aiosync.channels.keys import ChannelAuth
+from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
+from aiosync.core.limits import shorten
+from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.receiver import WeightReceiver
+from aiosync.runtime import require_asyncio
+from aiosync.server import messages as m
+from aiosync.server.feed import send_version
+from aiosync.server.fleet import FleetBook, SubscriberState
+from aiosync.server.retention import RetentionPolicy
+from aiosync.server.store import RetainingSink, RetentionStore
+
+log = logging.getLogger(__name__)
+
+MAX_NAME = 256
+REPLY_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How a server listens, retains, and bounds its peers.
+
+    ``publish_endpoint`` (publishers' ``WeightSender`` connects here) and
+    ``control_endpoint`` (subscribers and clients): default ``ipc://`` in private
+    directories; ``tcp://`` needs ``auth`` (CURVE keys, or loopback without). ``subscriber_auth``
+    is the client side used to reach subscribers' ``tcp://`` receivers. ``receiver`` bounds
+    what a publisher may send. ``timeout`` bounds every wait on a subscriber;
+    ``window`` the buckets awaiting a subscriber's ack; ``max_subscribers`` the
+    subscriptions at once; ``memory_timeout`` how long a publisher's bucket waits for room.
+    ``metrics_port`` (None: off) serves ``/metrics`` and ``/healthz`` on ``metrics_host``,
+    which must be loopback.
+    """
+
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    publish_endpoint: str | None = None
+    control_endpoint: str | None = None
+    auth: ChannelAuth | None = None
+    subscriber_auth: ChannelAuth | None = None
+    receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
+    timeout: float = 60.0
+    window: int = 16
+    max_subscribers: int = 64
+    max_wait: float = 3600.0
+    memory_timeout: float = 60.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if min(self.timeout, self.max_wait, self.memory_timeout) <= 0:
+            raise ValueError("server timeouts must be positive")
+        if self.window < 1 or self.max_subscribers < 1:
+            raise ValueError("window and max_subscribers must be at least 1")
+
+
+class WeightServer:
+    """Retains published versions in shared memory and streams them to subscribers.
+
+    Use as ``async with``, entered and left in one task. Leaving it (or cancelling its
+    task, as ``aiosync serve`` does on SIGTERM) aborts transfers in flight, tells every
+    subscriber, and releases sockets, private directories and shared memory.
+    """
+
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        self.config = config or ServerConfig()
+        self.store = RetentionStore(
+            self.config.retention, memory_timeout=self.config.memory_timeout
+        )
+        self.fleet = FleetBook()
+        self.metrics: Any = None
+        self._receiver: WeightReceiver | None = None
+        self._listener: Any = None
+        self._controls: dict[str, Channel] = {}
+        self._changed = anyio.Event()
+        self._stack: AsyncExitStack | None = None
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._http: Any = None
+        self._begun: dict[str, float] = {}
+
+    # --- what a publisher and an operator read ------------------------------------------
+
+    @property
+    def publish_endpoint(self) -> str:
+        """Where publishers' ``WeightSender`` connects."""
+        if self._receiver is None:
+            raise UsageError("server is not open; use 'async with WeightServer(...)'")
+        return self._receiver.endpoint
+
+    @property
+    def control_endpoint(self) -> str:
+        """Where subscribers and clients connect."""
+        if self._listener is None:
+            raise UsageError("server is not open; use 'async with WeightServer(...)'")
+        return str(self._listener.endpoint)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``http://127.0.0.1:port`` when the metrics endpoint is on."""
+        return None if self._http is None else str(self._http.address)
+
+    @property
+    def newest(self) -> int | None:
+        """The newest retained version (None until the first commits: not ready)."""
+        return self.store.newest
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server holds a version to serve."""
+        return self.store.newest is not None
+
+    def status(self) -> m.Status:
+        """Newest and retained versions, and each engine's version, bound and lag."""
+        engines = [
+            m.EngineStatus(s.name, s.version, s.max_lag, self.fleet.lag(s.name), s.connected)
+            for s in self.fleet.subscribers.values()
+        ]
+        return m.Status(self.store.newest, self.store.versions, engines)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, detail) for a health check."""
+        status = self.status()
+        detail = {
+            "ready": status.newest is not None,
+            "newest": status.newest,
+            "retained": status.retained,
+            "engines": {e.name: {"version": e.version, "lag": e.lag} for e in status.engines},
+        }
+        return status.newest is not None, detail
+
+    async def wait_within_bounds(self, timeout: float) -> m.Status:
+        """Wait until every subscriber lags no more than its bound."""
+        return await self._wait(self.fleet.all_within_bounds, timeout, "engines within bounds")
+
+    async def wait_for(
+        self, version: int, timeout: float, engines: list[str] | None = None
+    ) -> m.Status:
+        """Wait until every engine in ``engines`` (default: all) holds ``version`` or newer."""
+        return await self._wait(
+            lambda: self.fleet.have(version, engines), timeout, f"engines at version {version}"
+        )
+
+    async def wait_engines(self, count: int, timeout: float) -> m.Status:
+        """Wait until exactly ``count`` subscribers are connected."""
+        return await self._wait(
+            lambda: len(self.fleet.subscribers) == count, timeout, f"{count} engines connected"
+        )
+
+    async def _wait(self, condition: Any, timeout: float, what: str) -> m.Status:
+        with anyio.move_on_after(timeout):
+            while not condition():
+                await self._changed.wait()
+            return self.status()
+        raise SyncTimeoutError(f"no {what} within {timeout:g}s ({self.status()})")
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+        if self.metrics is not None:
+            for s in self.fleet.subscribers.values():
+                self.metrics.engine(s.name, s.version, self.fleet.lag(s.name))
+            self.metrics.engines.set(len(self.fleet.subscribers))
+            self.metrics.retained_bytes.set(self.store.used_bytes)
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> WeightServer:
+        require_asyncio("WeightServer")
+        stack = AsyncExitStack()
+        try:
+            stack.callback(self.store.close)
+            await self._open_metrics(stack)
+            from aiosync.channels.zmq import ZmqListener
+
+            self._listener = ZmqListener.open(
+                self.config.control_endpoint,
+                auth=self.config.auth,
+                max_message_bytes=m.MAX_CONTROL_BYTES,
+            )
+            stack.push_async_callback(self._listener.aclose)
+            receiver = WeightReceiver(
+                RetainingSink(self.store),
+                self.config.publish_endpoint,
+                config=self.config.receiver,
+                on_commit=self._committed_thread,
+                auth=self.config.auth,
+            )
+            self._receiver = await stack.enter_async_context(receiver)
+            self._tasks = await stack.enter_async_context(anyio.create_task_group())
+            stack.push_async_callback(self._shut_down)
+            self._tasks.start_soon(self._accept)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        log.info(
+            "serving weights: publish at %s, subscribe at %s",
+            self.publish_endpoint,
+            self.control_endpoint,
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.__aexit__(exc_type, exc, tb)
+        self._receiver = self._listener = self._tasks = None
+
+    async def _open_metrics(self, stack: AsyncExitStack) -> None:
+        try:
+            from aiosync.server.metrics import MetricsEndpoint, ServerMetrics
+
+            self.metrics = ServerMetrics()
+        except UsageError:
+            if self.config.metrics_port is not None:
+                raise
+            return
+        if self.config.metrics_port is not None:
+            self._http = MetricsEndpoint(
+                self.metrics, self.health, self.config.metrics_host, self.config.metrics_port
+            )
+            stack.callback(self._http.close)
+            self._http.start()
+
+    async def _shut_down(self) -> None:
+        """Tell subscribers, then stop every task (transfers in flight are aborted)."""
+        with anyio.CancelScope(shield=True):
+            closing = m.encode(m.Closing("server shutting down"))
+            for channel in list(self._controls.values()):
+                with anyio.move_on_after(REPLY_TIMEOUT):
+                    with suppress(AiosyncError):
+                        await channel.send(closing)
+        if self._tasks is not None:
+            self._tasks.cancel_scope.cancel()
+
+    # --- publishers -------------------------------------------------------------------
+
+    def _committed_thread(self, version: int) -> None:
+        anyio.from_thread.run_sync(self._published, version)
+
+    def _published(self, version: int) -> None:
+        self.fleet.publish(version)
+        log.info("version %d retained (%s)", version, self.store.versions)
+        if self.metrics is not None:
+            self.metrics.published.inc()
+            self.metrics.newest.set(version)
+            self.metrics.bytes_in.inc(self.store.book.bytes_of(version))
+        self._notify()
+
+    # --- control channel --------------------------------------------------------------
+
+    async def _accept(self) -> None:
+        assert self._tasks is not None
+        assert self._listener is not None
+        while True:
+            channel = await self._listener.accept()
+            self._tasks.start_soon(self._control, channel)
+
+    async def _reply(self, channel: Channel, message: m.Reply) -> None:
+        with anyio.move_on_after(REPLY_TIMEOUT):
+            try:
+                await channel.send(m.encode(message))
+            except AiosyncError as exc:
+                log.info("could not reply to %s: %s", channel.peer, exc)
+
+    async def _control(self, channel: Channel) -> None:
+        """Serve one client's requests in order; a malformed one ends its channel."""
+        self._controls[channel.peer] = channel
+        subscriber: SubscriberState | None = None
+        try:
+            while True:
+                try:
+                    request = m.decode_request(await channel.recv())
+                except ProtocolError as exc:
+                    log.warning("control peer %s sent garbage: %s", channel.peer, exc)
+                    await self._reply(channel, m.Refused(str(exc)))
+                    return
+                if isinstance(request, m.Subscribe):
+                    if subscriber is not None:
+                        await self._reply(channel, m.Refused("this channel already subscribed"))
+                        continue
+                    subscriber = await self._subscribe(channel, request)
+                    continue
+                await self._reply(channel, await self._answer(request, subscriber))
+        except AiosyncError as exc:
+            log.debug("control channel %s ended: %s", channel.peer, exc)
+        finally:
+            self._controls.pop(channel.peer, None)
+            with anyio.CancelScope(shield=True):
+                await channel.aclose()
+
+    async def _answer(self, request: m.Request, subscriber: SubscriberState | None) -> m.Reply:
+        if isinstance(request, m.StatusRequest):
+            return self.status()
+        if isinstance(request, m.Wait):
+            timeout = min(max(request.timeout, 0.0), self.config.max_wait)
+            engines = request.engines[: self.config.max_subscribers] if request.engines else None
+            try:
+                if request.version is None:
+                    return await self.wait_within_bounds(timeout)
+                return await self.wait_for(request.version, timeout, engines)
+            except SyncTimeoutError as exc:
+                return m.Refused(str(exc))
+        if subscriber is None:
+            return m.Refused("fetch and follow need a subscription on this channel")
+        if isinstance(request, m.Fetch):
+            if request.version not in self.store.versions:
+                return m.Refused(f"version {request.version} is not retained")
+            subscriber.follow, subscriber.target = False, request.version
+        else:
+            subscriber.follow, subscriber.target = True, None
+        self._notify()
+        return self.status()
+
+    async def _subscribe(self, control: Channel, request: m.Subscribe) -> SubscriberState | None:
+        """Open a channel to the subscriber's receiver and start feeding it."""
+        assert self._tasks is not None
+        name = request.name or control.peer
+        problem = None
+        if len(name) > MAX_NAME or len(request.endpoint) > MAX_NAME:
+            problem = f"name or endpoint longer than {MAX_NAME} characters"
+        elif not request.endpoint.startswith(("ipc://", "tcp://")):
+            problem = f"endpoint {shorten(request.endpoint, 64)!r} is not ipc:// or tcp://"
+        elif len(self.fleet.subscribers) >= self.config.max_subscribers:
+            problem = f"already {self.config.max_subscribers} subscribers"
+        elif name in self.fleet.subscribers:
+            problem = f"a subscriber named {name!r} is connected"
+        elif request.max_lag < 0:
+            problem = "max_lag must not be negative"
+        if problem is not None:
+            await self._reply(control, m.Refused(problem))
+            return None
+        from aiosync.channels.zmq import ZmqChannel
+
+        try:
+            channel = ZmqChannel.connect(request.endpoint, auth=self.config.subscriber_auth)
+        except AiosyncError as exc:
+            await self._reply(control, m.Refused(str(exc)))
+            return None
+        state = self.fleet.add(name, request.max_lag, follow=request.follow)
+        self._begun[name] = time.perf_counter()
+        self._tasks.start_soon(self._feed, state, channel, control)
+        log.info("subscriber %s at %s (max lag %d)", name, request.endpoint, request.max_lag)
+        self._notify()
+        await self._reply(control, self.status())
+        return state
+
+    # --- feeding one subscriber -------------------------------------------------------
+
+    async def _feed(self, state: SubscriberState, channel: Channel, control: Channel) -> None:
+        """Send ``state`` each version it should have, until its receiver is gone."""
+        sender = self.config.name or f"server-{os.getpid()}"
+        refused: int | None = None
+        try:
+            while not channel.lost.is_set():
+                target = self.fleet.next_version(state.name, self.store.versions)
+                retained = None if target in (None, refused) else self.store.pin(target)
+                if retained is None:
+                    if await _gone_while_idle(self._changed, channel):
+                        return
+                    continue
+                started = time.perf_counter()
+                try:
+                    done = await send_version(
+                        channel,
+                        state.name,
+                        retained,
+                        sender=sender,
+                        timeout=self.config.timeout,
+                        window=self.config.window,
+                    )
+                except AiosyncError as exc:
+                    state.last_error = str(exc)
+                    log.warning("transfer to %s failed: %s", state.name, exc)
+                    if self.metrics is not None:
+                        self.metrics.failures.inc()
+                    if channel.lost.is_set() or not _refusal(exc):
+                        return
+                    refused = retained.version  # not again: wait for a newer one
+                    continue
+                finally:
+                    self.store.unpin(retained.version)
+                self._served(state, done.version, done.bytes_sent, started)
+        finally:
+            self.fleet.remove(state.name)
+            self._begun.pop(state.name, None)
+            if self.metrics is not None:
+                self.metrics.forget([state.name])
+            self._notify()
+            with anyio.CancelScope(shield=True):
+                await channel.aclose()
+                await control.aclose()  # ends its control loop too
+            log.info("subscriber %s left", state.name)
+
+    def _served(
+        self, state: SubscriberState, version: int | None, sent: int, started: float
+    ) -> None:
+        state.version = version
+        state.transfers += 1
+        state.bytes_sent += sent
+        if self.metrics is not None and sent:
+            self.metrics.served.inc()
+            self.metrics.bytes_out.inc(sent)
+            self.metrics.latency.labels("transfer").observe(time.perf_counter() - started)
+            joined = self._begun.pop(state.name, None)
+            if joined is not None:
+                self.metrics.latency.labels("late_join").observe(time.perf_counter() - joined)
+        self._notify()
+
+
+def _refusal(exc: AiosyncError) -> bool:
+    from aiosync.core.errors import RejectedError
+
+    return isinstance(exc, RejectedError)
+
+
+async def _gone_while_idle(changed: anyio.Event, channel: Channel) -> bool:
+    """Wait for ``changed`` while watching an idle subscriber's channel; True if it is gone.
+
+    Reading is what notices a receiver that went away (its process died or it left); a
+    message it sends while idle is dropped.
+    """
+    gone = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal gone
+            try:
+                while True:
+                    await channel.recv()  # nothing is due while idle: dropped
+                    log.debug("dropped a message from idle subscriber %s", channel.peer)
+            except AiosyncError as exc:
+                log.debug("subscriber %s gone: %s", channel.peer, exc)
+                gone = True
+                tg.cancel_scope.cancel()
+
+        async def wait() -> None:
+            await changed.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(wait)
+    return gone

@@ -1,0 +1,248 @@
+"""Retained versions in shared host memory, and the sink that fills them from publishers.
+
+The server receives a publisher's version through an ordinary
+:class:`~aiosync.engine.receiver.WeightReceiver` whose sink is a :class:`RetainingSink`:
+each bucket is copied once into a segment of its own (a sealed memfd where the machine
+makes them, as a trainer's plane does), with its specs. On commit the version becomes a
+:class:`RetainedVersion`: the segments, the manifest rebuilt from the specs, and each
+bucket's slots, from which the server streams it to subscribers exactly as a trainer
+would, with the segments as the data plane (a subscriber maps them; no copy on the
+server). :class:`RetentionStore` keeps them under a
+:class:`~aiosync.server.retention.RetentionPolicy`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from aiosync.core.errors import AiosyncError, UsageError
+from aiosync.core.layout import TensorSpec
+from aiosync.core.manifest import Expectations, TensorMeta
+from aiosync.core.wire import ShmPlaneSpec, Slot
+from aiosync.planes.memfd import memfd_available
+from aiosync.planes.shm import ShmSegment
+from aiosync.server.retention import RetentionBook, RetentionPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetainedBucket:
+    """One bucket as the publisher sent it: its segment, bytes used and specs."""
+
+    segment: ShmSegment
+    used: int
+    specs: list[TensorSpec]
+    slots: list[Slot] = field(default_factory=list)
+
+
+@dataclass
+class RetainedVersion:
+    """A whole committed version in shared memory, ready to stream to any subscriber."""
+
+    version: int
+    buckets: list[RetainedBucket]
+    manifest: list[TensorMeta]
+    tensors: int  # whole tensors (what a ``complete`` counts)
+    nbytes: int
+
+    @property
+    def spec(self) -> ShmPlaneSpec:
+        """The data plane a subscriber opens: one segment per bucket."""
+        return ShmPlaneSpec([bucket.segment.handle for bucket in self.buckets])
+
+    def close(self) -> None:
+        """Release the segments (mappings subscribers still hold stay valid)."""
+        for bucket in self.buckets:
+            bucket.segment.close()
+
+
+def index_version(version: int, buckets: list[RetainedBucket]) -> RetainedVersion:
+    """Rebuild the manifest from the buckets' specs and give each bucket its slots (pure)."""
+    entries: dict[str, int] = {}
+    metas: list[TensorMeta] = []
+    chunks: list[int] = []
+    tensors = 0
+    for bucket in buckets:
+        bucket.slots = []
+        for spec in bucket.specs:
+            entry = entries.get(spec.name)
+            if entry is None:
+                entry = entries[spec.name] = len(metas)
+                metas.append(TensorMeta(spec.name, spec.dtype, tuple(spec.shape)))
+                chunks.append(0)
+            chunks[entry] += 1
+            tensors += spec.is_last_chunk
+            bucket.slots.append(Slot(entry, spec.offset, spec.nbytes, spec.start))
+    manifest = [
+        TensorMeta(meta.name, meta.dtype, meta.shape, count)
+        for meta, count in zip(metas, chunks, strict=True)
+    ]
+    nbytes = sum(bucket.used for bucket in buckets)
+    return RetainedVersion(version, buckets, manifest, tensors, nbytes)
+
+
+class RetentionStore:
+    """Retained versions by number, their pins, and the version a publisher is sending.
+
+    Thread-safe: the sink fills the pending version from a worker thread, transfers pin
+    and unpin from the event loop. A bucket that does not fit under ``max_bytes`` waits
+    (at most ``memory_timeout`` seconds) for a pinned version to be released.
+    """
+
+    def __init__(self, policy: RetentionPolicy, *, memory_timeout: float = 60.0) -> None:
+        self.book = RetentionBook(policy)
+        self.memory_timeout = memory_timeout
+        self._versions: dict[int, RetainedVersion] = {}
+        self._pending: list[RetainedBucket] = []
+        self._changed = threading.Condition()
+        self._closed = False
+        self.memory_waits = 0  # buckets that had to wait for a pin to go
+
+    @property
+    def versions(self) -> list[int]:
+        """Retained versions, oldest first."""
+        with self._changed:
+            return self.book.versions
+
+    @property
+    def newest(self) -> int | None:
+        """The newest retained version."""
+        with self._changed:
+            return self.book.newest
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of shared memory held now (retained and pending)."""
+        with self._changed:
+            return self.book.used_bytes
+
+    def _evict(self, versions: tuple[int, ...]) -> None:
+        for version in versions:
+            retained = self._versions.pop(version, None)
+            if retained is not None:
+                log.info("version %d leaves retention", version)
+                retained.close()
+
+    def add_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        """Copy one bucket of the pending version into a new segment (a worker thread)."""
+        used = bucket.numel()
+        deadline = time.monotonic() + self.memory_timeout
+        with self._changed:
+            while True:
+                if self._closed:
+                    raise AiosyncError("server is closing")
+                try:
+                    room = self.book.reserve(used)
+                except UsageError as exc:
+                    raise AiosyncError(str(exc)) from None
+                self._evict(room.evict)
+                if room.fits:
+                    break
+                self.memory_waits += 1
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._changed.wait(left):
+                    raise AiosyncError(
+                        f"no room for {used} more bytes within {self.memory_timeout:g}s: "
+                        f"{self.book.used_bytes} bytes held, every older version in flight "
+                        "to a subscriber"
+                    )
+        try:
+            if memfd_available():
+                segment = ShmSegment.create(used, backend="memfd")
+            else:
+                segment = ShmSegment.create(used, backend="file")
+            segment.tensor.copy_(bucket.reshape(-1))
+        except BaseException:
+            with self._changed:
+                self.book.pending -= used
+            raise
+        with self._changed:
+            self._pending.append(RetainedBucket(segment, used, list(specs)))
+
+    def commit(self, version: int) -> RetainedVersion:
+        """The pending version is retained as ``version`` (older ones may leave)."""
+        with self._changed:
+            buckets, self._pending = self._pending, []
+        retained = index_version(version, buckets)
+        with self._changed:
+            self._versions[version] = retained
+            self._evict(self.book.commit(version))
+            self._changed.notify_all()
+        return retained
+
+    def abort(self) -> None:
+        """Drop the pending version."""
+        with self._changed:
+            buckets, self._pending = self._pending, []
+            self.book.abort()
+            self._changed.notify_all()
+        for bucket in buckets:
+            bucket.segment.close()
+
+    def pin(self, version: int) -> RetainedVersion | None:
+        """Hold a retained version for a transfer (None if it is no longer retained)."""
+        with self._changed:
+            if not self.book.pin(version):
+                return None
+            return self._versions[version]
+
+    def unpin(self, version: int) -> None:
+        """Release a transfer's hold."""
+        with self._changed:
+            self._evict(self.book.unpin(version))
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Release every segment (pending ones too); waiting buckets fail."""
+        with self._changed:
+            self._closed = True
+            versions, self._versions = list(self._versions.values()), {}
+            buckets, self._pending = self._pending, []
+            self._changed.notify_all()
+        for retained in versions:
+            retained.close()
+        for bucket in buckets:
+            bucket.segment.close()
+
+
+class RetainingSink:
+    """A :class:`~aiosync.engine.sinks.WeightSink` that retains every version it is sent.
+
+    Staged (nothing is visible before commit) and without expectations: the server takes
+    any well-formed version; its subscribers check it against their own models.
+    """
+
+    def __init__(self, store: RetentionStore) -> None:
+        self.store = store
+
+    @property
+    def device(self) -> torch.device:
+        """Host memory."""
+        return torch.device("cpu")
+
+    @property
+    def staged(self) -> bool:
+        """True: a version is retained only on commit."""
+        return True
+
+    def expectations(self) -> Expectations | None:
+        """None: any well-formed version."""
+        return None
+
+    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        """Copy the bucket into shared memory."""
+        self.store.add_bucket(bucket, specs)
+
+    def commit(self, version: int) -> None:
+        """Retain the version."""
+        self.store.commit(version)
+
+    def abort(self) -> None:
+        """Drop what was received of the version."""
+        self.store.abort()

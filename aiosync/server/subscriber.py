@@ -1,0 +1,204 @@
+"""An engine's side of a server: :class:`Subscriber`, and :class:`ServerClient` for anyone.
+
+A subscriber is an ordinary :class:`~aiosync.engine.receiver.WeightReceiver` (its sink,
+leases, checks and limits unchanged) plus a control channel on which it asks the server
+to feed it: the newest version as it appears (within ``max_lag``), or a named retained
+one. Versions arrive as weight streams from the server to the receiver's endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import TracebackType
+
+import anyio
+
+from aiosync.channels.base import Channel, Listener
+from aiosync.channels.keys import ChannelAuth
+from aiosync.core.errors import AiosyncError, PeerGoneError, RejectedError, SyncTimeoutError
+from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.receiver import WeightReceiver
+from aiosync.engine.sinks import WeightSink
+from aiosync.runtime import require_asyncio
+from aiosync.server import messages as m
+
+log = logging.getLogger(__name__)
+
+
+class ServerClient:
+    """Requests to a server's control endpoint, one at a time, each bounded by a timeout.
+
+    Use as ``async with``. A server that is shutting down is a :class:`PeerGoneError`.
+    """
+
+    def __init__(
+        self, endpoint: str, *, auth: ChannelAuth | None = None, timeout: float = 30.0
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._auth = auth
+        self._channel: Channel | None = None
+        self._lock = anyio.Lock()
+        self.closing: str | None = None  # the server's reason, once it said it is closing
+
+    async def __aenter__(self) -> ServerClient:
+        require_asyncio("ServerClient")
+        from aiosync.channels.zmq import ZmqChannel
+
+        self._channel = ZmqChannel.connect(self.endpoint, auth=self._auth)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            with anyio.CancelScope(shield=True):
+                await channel.aclose()
+
+    async def request(self, message: m.Request, timeout: float | None = None) -> m.Status:
+        """Send one request and return the server's status; refusals raise RejectedError."""
+        if self._channel is None:
+            raise AiosyncError("client is not open", peer=self.endpoint)
+        wait = self.timeout if timeout is None else timeout
+        async with self._lock:
+            with anyio.move_on_after(wait):
+                await self._channel.send(m.encode(message))
+                while True:
+                    reply = m.decode_reply(await self._channel.recv())
+                    if isinstance(reply, m.Closing):
+                        self.closing = reply.reason
+                        raise PeerGoneError(f"server closing: {reply.reason}", peer=self.endpoint)
+                    if isinstance(reply, m.Refused):
+                        raise RejectedError(reply.reason, peer=self.endpoint)
+                    return reply
+        raise SyncTimeoutError(
+            f"no answer to {type(message).__name__} within {wait:g}s", peer=self.endpoint
+        )
+
+    async def status(self) -> m.Status:
+        """Newest and retained versions, and every engine's version and lag."""
+        return await self.request(m.StatusRequest())
+
+    async def wait_within_bounds(self, timeout: float) -> m.Status:
+        """Wait until every engine is within its lag bound (SyncTimeoutError past timeout)."""
+        return await self._wait(m.Wait(timeout), timeout)
+
+    async def wait_for(
+        self, version: int, timeout: float, engines: list[str] | None = None
+    ) -> m.Status:
+        """Wait until every engine in ``engines`` (default: all) holds ``version`` or newer."""
+        return await self._wait(m.Wait(timeout, version, engines), timeout)
+
+    async def _wait(self, message: m.Wait, timeout: float) -> m.Status:
+        try:
+            return await self.request(message, timeout + self.timeout)
+        except RejectedError as exc:
+            raise SyncTimeoutError(exc.reason, peer=self.endpoint) from None
+
+
+class Subscriber:
+    """An engine fed by a server: a receiver into ``sink`` and a subscription for it.
+
+    ``server`` is the server's control endpoint; ``max_lag`` how many versions this engine
+    may lag (the server reports it, and publishers may wait on it); ``follow=False``
+    subscribes without taking versions until :meth:`fetch` or :meth:`follow`. ``endpoint``
+    is where the receiver binds (default: ``ipc://`` in a private directory; a ``tcp://``
+    one takes ``receiver_auth``); ``auth`` reaches the server's control endpoint.
+    """
+
+    def __init__(
+        self,
+        server: str,
+        sink: WeightSink,
+        *,
+        name: str = "",
+        max_lag: int = 0,
+        follow: bool = True,
+        endpoint: str | Listener | None = None,
+        config: ReceiverConfig | None = None,
+        auth: ChannelAuth | None = None,
+        receiver_auth: ChannelAuth | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.server = server
+        self.name = name
+        self.max_lag = max_lag
+        self._follow = follow
+        self._committed = anyio.Event()
+        self.receiver = WeightReceiver(
+            sink, endpoint, config=config, auth=receiver_auth, on_commit=self._on_commit
+        )
+        self.client = ServerClient(server, auth=auth, timeout=timeout)
+
+    def _on_commit(self, version: int) -> None:  # a worker thread
+        anyio.from_thread.run_sync(self._bump)
+
+    def _bump(self) -> None:
+        self._committed.set()
+        self._committed = anyio.Event()
+
+    @property
+    def current_version(self) -> int | None:
+        """The version this engine serves (None: not ready yet)."""
+        return self.receiver.current_version
+
+    @property
+    def ready(self) -> bool:
+        """Whether a first version has committed (an engine is not ready before)."""
+        return self.receiver.current_version is not None
+
+    @asynccontextmanager
+    async def serving(self, timeout: float | None = None) -> AsyncIterator[int | None]:
+        """The receiver's read lease: pins the weights for one request, yields their version."""
+        async with self.receiver.serving(timeout) as version:
+            yield version
+
+    async def __aenter__(self) -> Subscriber:
+        await self.receiver.__aenter__()
+        try:
+            await self.client.__aenter__()
+            subscribe = m.Subscribe(self.name, self.receiver.endpoint, self.max_lag, self._follow)
+            await self.client.request(subscribe)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.client.__aexit__(exc_type, exc, tb)
+        finally:
+            await self.receiver.__aexit__(exc_type, exc, tb)
+
+    async def wait_for_version(self, version: int, timeout: float) -> int:
+        """Wait until this engine holds ``version`` or newer."""
+        return await self.receiver.wait_for_version(version, timeout)
+
+    async def wait_for_newer(self, timeout: float) -> int:
+        """Wait for a version newer than the one held (the first one when none is)."""
+        current = self.current_version
+        return await self.wait_for_version(0 if current is None else current + 1, timeout)
+
+    async def fetch(self, version: int, timeout: float) -> int:
+        """Take the retained ``version`` and stay on it (an older one needs ``allow_rebase``)."""
+        await self.client.request(m.Fetch(version))
+        with anyio.move_on_after(timeout):
+            while self.current_version != version:
+                await self._committed.wait()
+            return version
+        raise SyncTimeoutError(f"version {version} not received within {timeout:g}s")
+
+    async def follow(self) -> None:
+        """Follow the newest version again (after :meth:`fetch`)."""
+        await self.client.request(m.Follow())
