@@ -13,12 +13,11 @@ is printed here as well.
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import enum
 import itertools
 import logging
 import os
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,8 +25,8 @@ from typing import Any
 import torch
 import zmq
 
-from aiosync import SenderConfig, SyncTimeoutError, WeightSender
-from aiosync.channels.zmq import ZmqChannel
+from aiosync import PeerGoneError, SenderConfig, SyncTimeoutError
+from aiosync.compat import stream_cache
 from aiosync.compat.errors import CompatRuntimeError, CompatTypeError, CompatValueError, translate
 from aiosync.compat.policy import (
     AUTOMODEL_FACTORY,
@@ -44,7 +43,7 @@ from aiosync.compat.teacher import aggregate_per_sample_handles, ensure_teacher_
 from aiosync.core import layout
 from aiosync.core.layout import ALIGNMENT, materialize
 from aiosync.planes import cuda_ipc
-from aiosync.runtime import run, unwrap_group
+from aiosync.runtime import unwrap_group
 
 log = logging.getLogger(__name__)
 
@@ -57,29 +56,6 @@ class IPCProtocol(enum.Enum):
 
     COMPLETE = "complete"
     ACK = "ack"
-
-
-def _run_blocking(main: Any) -> Any:
-    """Run an async function to completion from sync code, even under a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return run(main)
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(run(main))
-        except BaseException as exc:
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="aiosync-compat")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
 
 
 @contextmanager
@@ -164,7 +140,13 @@ def stream_weights_via_ipc_zmq_impl(
 
     ``buffer_size_bytes`` is the total of both ping-pong buffers: each half holds one
     bucket, and packing the next overlaps the engine applying the current one. CUDA tensors
-    travel through CUDA IPC buffers on their device, CPU tensors through shared memory.
+    travel through CUDA IPC buffers on their device (packed on the caller's current CUDA
+    stream), CPU tensors through shared memory.
+
+    The sender, its buffers, their IPC handles and the engine session are kept for the
+    next call on the same socket with the same buffer size and device, so a repeated call
+    pays no set-up; they are released when the socket is closed, when a call brings
+    another size or device, or by :func:`release_ipc_zmq_streams`.
 
     ``zmq_socket`` is the caller's REQ or DEALER socket, connected to the receiver; it
     stays open. Those are the socket types that can talk to the receiver's ROUTER socket:
@@ -208,13 +190,7 @@ def stream_weights_via_ipc_zmq_impl(
             timeout=float(os.environ.get(TIMEOUT_ENV, "120")),
             name=f"{worker_name}[rank {rank}]",
         )
-
-        async def main() -> Any:
-            channel = ZmqChannel.wrap(zmq_socket)
-            async with WeightSender(channel, device=device, config=config) as sender:
-                return await sender.send(pairs)
-
-        report = _run_blocking(main)
+        report = _send_cached(zmq_socket, device, config, pairs)
     log.info(
         "%s streamed version %d: %d tensors, %.1f MB in %.3fs",
         context,
@@ -225,6 +201,82 @@ def stream_weights_via_ipc_zmq_impl(
     )
     if rank == 0:
         print(f"{worker_name}: Packed {report.buckets} groups of tensors", flush=True)
+
+
+class _Replayable:
+    """The pairs of one call, the first ones kept so that a failed send can start again.
+
+    Pairs are kept while they fit in ``limit`` bytes (the sender's buffers): the packer
+    cannot get further ahead of the engine's first ack than that, so a session found gone
+    at the version's start leaves every pair read so far here.
+    """
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]], limit: int) -> None:
+        self._pairs = iter(pairs)
+        self._kept: collections.deque[tuple[str, torch.Tensor]] = collections.deque()
+        self._replay: collections.deque[tuple[str, torch.Tensor]] = collections.deque()
+        self._room = limit
+        self.keeping = True
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        item = self._replay.popleft() if self._replay else next(self._pairs)
+        if self.keeping:
+            self._room -= _nbytes(item[1])
+            self.keeping = self._room >= 0
+            self._kept.append(item)
+            if not self.keeping:
+                self._kept.clear()
+        return item
+
+    def rewind(self) -> bool:
+        """Start again from the first pair; False when the first ones were let go."""
+        if not self.keeping:
+            return False
+        self._replay.extendleft(reversed(self._kept))
+        self._kept.clear()
+        return True
+
+
+def _nbytes(tensor: object) -> int:
+    return tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
+
+
+def _send_cached(
+    zmq_socket: zmq.Socket[bytes],
+    device: torch.device,
+    config: SenderConfig,
+    pairs: Iterable[tuple[str, torch.Tensor]],
+) -> Any:
+    """Send through the socket's cached sender; a gone session is renewed once if it can be.
+
+    An engine forgets a session it has not heard from for its ``session_timeout`` (a REQ
+    socket cannot send keepalives between calls): then, if the pairs read so far were kept, a
+    fresh sender (a new session) sends the version again from the first pair.
+    """
+    replay = _Replayable(pairs, config.num_buffers * config.buffer_bytes)
+    stream, fresh = stream_cache.cached_stream(zmq_socket, device, config)
+    try:
+        return stream.send(replay, config.timeout)
+    except PeerGoneError:
+        stream_cache.release_streams(zmq_socket)
+        if fresh or not replay.rewind():
+            raise
+    log.info("the engine forgot the cached session; opening a new one")
+    stream, _ = stream_cache.cached_stream(zmq_socket, device, config)
+    return stream.send(replay, config.timeout)
+
+
+def release_ipc_zmq_streams(zmq_socket: zmq.Socket[bytes] | None = None) -> int:
+    """Release what :func:`stream_weights_via_ipc_zmq_impl` keeps for ``zmq_socket`` (or all).
+
+    Says goodbye to the engine (unless the socket is closed), frees the buffers and their
+    IPC handles and ends the private loop thread. Returns how many cached senders it
+    released. Calls on a closed socket, or with another buffer size, release by themselves.
+    """
+    return stream_cache.release_streams(zmq_socket)
 
 
 __all__ = [
@@ -242,6 +294,7 @@ __all__ = [
     "is_vllm_v1_engine_enabled",
     "iter_named_tensor_buckets",
     "rebuild_cuda_tensor_from_ipc",
+    "release_ipc_zmq_streams",
     "resolve_model_class",
     "resolve_policy_worker_cls",
     "stream_weights_via_ipc_zmq_impl",
