@@ -34,8 +34,9 @@ def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
     from aiosync.cli.demo import demo
     from aiosync.cli.keygen import keygen
     from aiosync.cli.roles import ROLES
+    from aiosync.cli.serve import serve
 
-    return {"demo": demo, "bench": bench, **ROLES, "keygen": keygen}
+    return {"demo": demo, "bench": bench, **ROLES, "keygen": keygen, "serve": serve}
 
 
 def _unwind_on_signals() -> None:

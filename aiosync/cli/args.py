@@ -27,6 +27,7 @@ engine, trainer
        the two sides on their own, as demo and bench run them; they report
        JSON lines on stdout.
 keygen writes a CURVE keypair, which tcp:// endpoints need.
+serve  runs a weight server: trainers publish, engines subscribe (docs/server.md).
 """
 
 
@@ -324,6 +325,18 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     )
     keygen.add_argument("directory", metavar="DIR", help="where to write (created, mode 0700)")
     keygen.add_argument("--name", default="aiosync", help="file name of the keys, no suffix")
+
+    serve = _subparser(
+        sub,
+        "serve",
+        "run a weight server: trainers publish versions, engines subscribe",
+        "Retain published versions in shared memory and stream the newest to every "
+        "subscribed engine, late joiners included. Prints a ready line (JSON) with the "
+        "endpoints; runs until SIGTERM or Ctrl-C.",
+    )
+    from aiosync.cli.serve import add_serve_arguments
+
+    add_serve_arguments(serve)
 
     for name, command in commands.items():
         sub.choices[name].set_defaults(func=command)

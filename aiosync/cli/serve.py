@@ -1,0 +1,108 @@
+"""``aiosync serve``: run a weight server until SIGTERM or Ctrl-C.
+
+It prints one JSON line on stdout once serving, ``{"event": "ready", "publish": ...,
+"control": ..., "metrics": ...}``: trainers give ``publish`` to their ``WeightSender``,
+engines give ``control`` to a :class:`~aiosync.server.Subscriber`. SIGTERM and SIGINT
+cancel the server: transfers in flight are aborted, subscribers are told, and shared
+memory and private directories are released before the exit (status 143 and 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from aiosync.cli.args import MiB, non_negative_int, positive_float, positive_int
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's options."""
+    parser.add_argument(
+        "--publish", metavar="ENDPOINT", help="where trainers connect (default: private ipc://)"
+    )
+    parser.add_argument(
+        "--control", metavar="ENDPOINT", help="where engines subscribe (default: private ipc://)"
+    )
+    parser.add_argument(
+        "--retain", type=positive_int, default=2, metavar="N", help="versions kept at most"
+    )
+    parser.add_argument(
+        "--retain-mb",
+        type=positive_float,
+        default=None,
+        metavar="MIB",
+        help="shared memory for versions at most (must hold two versions); default: no bound",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest wait on a subscriber at each step",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=non_negative_int,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics and /healthz on 127.0.0.1:PORT (0: any free port); default: off",
+    )
+    parser.add_argument(
+        "--keypair", metavar="FILE", help="the server's CURVE secret key file (tcp:// needs keys)"
+    )
+    parser.add_argument(
+        "--allow", metavar="PATH", help="public key file, or directory of them, of peers let in"
+    )
+    parser.add_argument(
+        "--insecure-loopback",
+        action="store_true",
+        help="allow plain tcp on 127.0.0.1 without keys (any local user can then connect)",
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until stopped."""
+    from aiosync.cli.roles import emit, run_role
+
+    async def main() -> None:
+        from aiosync.channels.keys import ChannelAuth
+        from aiosync.server import RetentionPolicy, ServerConfig, WeightServer
+
+        if args.keypair:
+            if not args.allow:
+                from aiosync.cli.args import CommandError
+
+                raise CommandError("--keypair needs --allow (the peers' public keys)")
+            auth: ChannelAuth | None = ChannelAuth.server(args.keypair, args.allow)
+            assert auth is not None
+            # towards subscribers' tcp receivers: this keypair; each names its own key
+            client: ChannelAuth | None = ChannelAuth(auth.public_key, auth.secret_key)
+        elif args.insecure_loopback:
+            auth = client = ChannelAuth(insecure_loopback=True)
+        else:
+            auth = client = None
+        limit = None if args.retain_mb is None else int(args.retain_mb * MiB)
+        config = ServerConfig(
+            retention=RetentionPolicy(max_versions=args.retain, max_bytes=limit),
+            publish_endpoint=args.publish,
+            control_endpoint=args.control,
+            auth=auth,
+            subscriber_auth=client,
+            timeout=args.timeout,
+            metrics_port=args.metrics_port,
+        )
+        async with WeightServer(config) as server:
+            emit(
+                "ready",
+                publish=server.publish_endpoint,
+                control=server.control_endpoint,
+                metrics=server.metrics_address,
+            )
+            import anyio
+
+            await anyio.sleep_forever()
+
+    run_role(main)
+    return 0
