@@ -26,12 +26,16 @@ from aiosync.core.errors import ProtocolError
 
 
 class Subscribe(msgspec.Struct, frozen=True, tag="subscribe"):
-    """Send versions to the receiver at ``endpoint`` (it may lag ``max_lag`` versions)."""
+    """Send versions to the receiver at ``endpoint`` (it may lag ``max_lag`` versions).
+
+    ``key``: the receiver's public CURVE key (Z85), for a ``tcp://`` endpoint with keys.
+    """
 
     name: str
     endpoint: str
     max_lag: int = 0
     follow: bool = True
+    key: str | None = None
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):

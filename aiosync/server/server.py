@@ -47,8 +47,9 @@ class ServerConfig:
 
     ``publish_endpoint`` (publishers' ``WeightSender`` connects here) and
     ``control_endpoint`` (subscribers and clients): default ``ipc://`` in private
-    directories; ``tcp://`` needs ``auth`` (CURVE keys, or loopback without). ``subscriber_auth``
-    is the client side used to reach subscribers' ``tcp://`` receivers. ``receiver`` bounds
+    directories; ``tcp://`` needs ``auth`` (CURVE keys, or loopback without).
+    ``subscriber_auth`` is this server's keypair towards subscribers' ``tcp://`` receivers
+    (each subscriber names its receiver's public key when it subscribes). ``receiver`` bounds
     what a publisher may send. ``timeout`` bounds every wait on a subscriber;
     ``window`` the buckets awaiting a subscriber's ack; ``max_subscribers`` the
     subscriptions at once; ``memory_timeout`` how long a publisher's bucket waits for room.
@@ -362,7 +363,12 @@ class WeightServer:
         from aiosync.channels.zmq import ZmqChannel
 
         try:
-            channel = ZmqChannel.connect(request.endpoint, auth=self.config.subscriber_auth)
+            auth = self.config.subscriber_auth
+            if request.key is not None and auth is not None and auth.public_key is not None:
+                auth = ChannelAuth(
+                    auth.public_key, auth.secret_key, server_key=request.key.encode()
+                )
+            channel = ZmqChannel.connect(request.endpoint, auth=auth)
         except AiosyncError as exc:
             await self._reply(control, m.Refused(str(exc)))
             return None

@@ -14,6 +14,7 @@ server). :class:`RetentionStore` keeps them under a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from aiosync.core.errors import AiosyncError, UsageError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations, TensorMeta
 from aiosync.core.wire import ShmPlaneSpec, Slot
-from aiosync.planes.memfd import memfd_available
+from aiosync.planes.memfd import BACKEND_ENV, memfd_available
 from aiosync.planes.shm import ShmSegment
 from aiosync.server.retention import RetentionBook, RetentionPolicy
 
@@ -153,7 +154,7 @@ class RetentionStore:
                         "to a subscriber"
                     )
         try:
-            if memfd_available():
+            if memfd_available() and os.environ.get(BACKEND_ENV, "").strip().lower() != "file":
                 segment = ShmSegment.create(used, backend="memfd")
             else:
                 segment = ShmSegment.create(used, backend="file")

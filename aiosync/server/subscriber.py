@@ -130,6 +130,7 @@ class Subscriber:
         self.name = name
         self.max_lag = max_lag
         self._follow = follow
+        self._receiver_auth = receiver_auth
         self._committed = anyio.Event()
         self.receiver = WeightReceiver(
             sink, endpoint, config=config, auth=receiver_auth, on_commit=self._on_commit
@@ -163,7 +164,14 @@ class Subscriber:
         await self.receiver.__aenter__()
         try:
             await self.client.__aenter__()
-            subscribe = m.Subscribe(self.name, self.receiver.endpoint, self.max_lag, self._follow)
+            key = self._receiver_auth.public_key if self._receiver_auth else None
+            subscribe = m.Subscribe(
+                self.name,
+                self.receiver.endpoint,
+                self.max_lag,
+                self._follow,
+                key=None if key is None else key.decode("ascii"),
+            )
             await self.client.request(subscribe)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)
