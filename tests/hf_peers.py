@@ -1,15 +1,18 @@
-"""A trainer and an engine around a tiny Hugging Face Llama, for tests/test_hf_serving.py.
+"""A trainer and an engine around a tiny Hugging Face causal LM, for tests/test_hf_serving.py.
 
-Run as ``python -m tests.hf_peers trainer|engine --endpoint ...``; each prints JSON lines.
-The model is built from a config with a fixed seed (nothing is downloaded).
+Run as ``python -m tests.hf_peers trainer|engine --endpoint ... [--model llama|gpt2]``; each
+prints JSON lines. The model is built from a config with a fixed seed (nothing is
+downloaded): a Llama with separate embeddings and head, or a GPT-2 whose ``lm_head.weight``
+is tied to ``transformer.wte.weight`` (its ``state_dict()`` has both names).
 
 - trainer: for each version, one SGD step on a random token batch, ``torch.save`` of the
   weights to ``--save-dir/v{version}.pt``, then ``send``; it prints ``sent`` and waits for
   a line on stdin before the next step (the test paces it on the engine's requests).
-- engine: serves the model through a staged :class:`ModuleSink`; once the first version is
-  live, ``--workers`` tasks run greedy-generation requests back to back, each inside a read
-  lease, in a worker thread, and print ``request`` (prompt, output, version) for each, until
-  stdin closes.
+- engine: serves the model through a staged :class:`ModuleSink` (``--swap copy|pointer``);
+  once the first version is live, ``--workers`` tasks run greedy-generation requests back to
+  back, each inside a read lease, in a worker thread, and print ``request`` (prompt, output,
+  version) for each, until stdin closes; ``finished`` says how many storages the embedding
+  had while requests read it (two with pointer swap) and whether the head is still tied.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import anyio
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
 from aiosync.runtime import run
@@ -42,25 +45,40 @@ def deterministic() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def build_model() -> LlamaForCausalLM:
-    """The tiny Llama every process builds the same way (random init, fixed seed)."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+MODELS = ("llama", "gpt2")
+
+
+def build_model(kind: str = "llama") -> PreTrainedModel:
+    """The tiny model every process builds the same way (random init, fixed seed)."""
     with torch.random.fork_rng(devices=[]):  # leave the caller's generator as it was
         torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval()
+        if kind == "gpt2":
+            gpt2 = GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=64,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                bos_token_id=0,
+                eos_token_id=0,
+                attn_implementation="eager",
+            )
+            return GPT2LMHeadModel(gpt2).eval()  # lm_head.weight is transformer.wte.weight
+        llama = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+        return LlamaForCausalLM(llama).eval()
 
 
-def generate(model: LlamaForCausalLM, prompt: list[int]) -> list[int]:
+def generate(model: PreTrainedModel, prompt: list[int]) -> list[int]:
     """Greedy generation of ``NEW_TOKENS`` tokens after ``prompt`` (batch of one)."""
     with torch.inference_mode():
         ids = torch.tensor([prompt])
@@ -77,7 +95,7 @@ def generate(model: LlamaForCausalLM, prompt: list[int]) -> list[int]:
 
 def trainer(args: argparse.Namespace) -> None:
     deterministic()
-    model = build_model().train()
+    model = build_model(args.model).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     batches = torch.Generator().manual_seed(1)
     save_dir = Path(args.save_dir)
@@ -108,10 +126,13 @@ def trainer(args: argparse.Namespace) -> None:
 
 def engine(args: argparse.Namespace) -> None:
     deterministic()
-    model = build_model()
+    model = build_model(args.model)
+    sink = ModuleSink(model, staged=True, swap=args.swap)
+    embedding = model.get_input_embeddings().weight
+    storages: set[int] = set()
 
     async def main() -> None:
-        async with WeightReceiver(ModuleSink(model, staged=True), args.endpoint) as receiver:
+        async with WeightReceiver(sink, args.endpoint) as receiver:
             emit("ready", endpoint=receiver.endpoint)
             stop = anyio.Event()
 
@@ -128,6 +149,7 @@ def engine(args: argparse.Namespace) -> None:
                             await anyio.sleep(0.01)
                             continue
                         output = await anyio.to_thread.run_sync(generate, model, prompt)
+                        storages.add(embedding.data_ptr())
                     emit("request", worker=worker, prompt=prompt, output=output, version=version)
 
             async with anyio.create_task_group() as tg:
@@ -138,6 +160,8 @@ def engine(args: argparse.Namespace) -> None:
                 "finished",
                 version=receiver.current_version,
                 failures=[str(f) for f in receiver.failures],
+                storages=len(storages),  # of the input embedding, as requests read it
+                tied=model.get_output_embeddings().weight is embedding,
             )
 
     run(main)
@@ -151,5 +175,7 @@ if __name__ == "__main__":
     parser.add_argument("--versions", type=int, default=24)
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--workers", type=int, default=6)
+    parser.add_argument("--model", choices=MODELS, default="llama")
+    parser.add_argument("--swap", choices=["copy", "pointer"], default="copy")
     args = parser.parse_args()
     trainer(args) if args.role == "trainer" else engine(args)

@@ -1,10 +1,12 @@
 """End to end with a real Hugging Face causal LM: no request ever sees a mixed model.
 
-A trainer process takes SGD steps on a tiny Llama (random init, nothing downloaded), saves
+A trainer process takes SGD steps on a tiny model (random init, nothing downloaded), saves
 each version's weights and streams it; an engine process serves greedy generation through
 read leases from its asyncio loop, with several requests in flight throughout. Every
 request's output is then recomputed here from the saved weights of the version it
-reported, with the same settings, and must be equal (see tests/hf_peers.py).
+reported, with the same settings, and must be equal (see tests/hf_peers.py). Two cases: a
+Llama made live by copy swap, and a GPT-2 (``lm_head.weight`` tied to the embedding) made
+live by pointer swap.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from aiosync.runtime import child_env, stop_process
 from tests.hf_peers import build_model, deterministic, generate
 
 ROOT = Path(__file__).resolve().parent.parent
-VERSIONS = 24
 PER_VERSION = 2  # requests reporting a version before the trainer takes its next step
 HANG = 90.0  # seconds: a hang guard per event only; events normally come within a second
 
@@ -88,16 +89,27 @@ def next_event(events: Events, done: frozenset[str] = frozenset()) -> tuple[str,
         assert role in done, f"the {role} exited early"
 
 
+CASES = [  # model, swap, versions (at least 20)
+    pytest.param("llama", "copy", 24, id="llama-copy"),
+    pytest.param("gpt2", "pointer", 20, id="gpt2-tied-pointer"),
+]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("deterministic_torch")
-def test_every_request_matches_the_saved_weights_of_its_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "swap", "versions"), CASES)
+def test_every_request_matches_the_saved_weights_of_its_version(
+    tmp_path: Path, kind: str, swap: str, versions: int
+) -> None:
     endpoint, directory = private_ipc_endpoint()
     events: Events = queue.Queue()
     requests: list[dict[str, Any]] = []
     served: Counter[int] = Counter()
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, directory, ignore_errors=True)
-        engine = stack.enter_context(peer("engine", events, "--endpoint", endpoint))
+        engine = stack.enter_context(
+            peer("engine", events, "--endpoint", endpoint, "--model", kind, "--swap", swap)
+        )
         role, event = next_event(events)
         assert (role, event["event"]) == ("engine", "ready")
         trainer = stack.enter_context(
@@ -109,7 +121,9 @@ def test_every_request_matches_the_saved_weights_of_its_version(tmp_path: Path) 
                 "--save-dir",
                 str(tmp_path),
                 "--versions",
-                str(VERSIONS),
+                str(versions),
+                "--model",
+                kind,
             )
         )
         assert trainer.stdin is not None
@@ -140,19 +154,21 @@ def test_every_request_matches_the_saved_weights_of_its_version(tmp_path: Path) 
         assert trainer.wait(timeout=HANG) == 0
         assert engine.wait(timeout=HANG) == 0
 
-    assert finished["version"] == VERSIONS - 1
+    assert finished["version"] == versions - 1
     assert finished["failures"] == []
-    versions = Counter(r["version"] for r in requests)
+    assert finished["tied"] == (kind == "gpt2")  # GPT-2's head is still its embedding
+    assert finished["storages"] == (2 if swap == "pointer" else 1)  # swapped, or copied
+    reported = Counter(r["version"] for r in requests)
     assert len(requests) >= 40
-    assert len(versions) >= 5, versions
-    assert max(versions) == VERSIONS - 1
+    assert len(reported) >= 5, reported
+    assert max(reported) == versions - 1
 
     # Recompute each request from the saved weights of its version; and, to show that a
     # wrong version would be caught, one request of each version from the next version's.
-    model = build_model()
+    model = build_model(kind)
     mismatched = []
     changed = checked = 0
-    for version in sorted(versions):
+    for version in sorted(reported):
         state = torch.load(tmp_path / f"v{version}.pt", weights_only=True)
         model.load_state_dict(state, strict=True)
         for r in requests:
