@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 
 import anyio
@@ -131,6 +131,7 @@ class Subscriber:
         self.max_lag = max_lag
         self._follow = follow
         self._receiver_auth = receiver_auth
+        self._stack: AsyncExitStack | None = None
         self._committed = anyio.Event()
         self.receiver = WeightReceiver(
             sink, endpoint, config=config, auth=receiver_auth, on_commit=self._on_commit
@@ -161,9 +162,10 @@ class Subscriber:
             yield version
 
     async def __aenter__(self) -> Subscriber:
-        await self.receiver.__aenter__()
+        stack = AsyncExitStack()
         try:
-            await self.client.__aenter__()
+            await stack.enter_async_context(self.receiver)
+            await stack.enter_async_context(self.client)
             key = self._receiver_auth.public_key if self._receiver_auth else None
             subscribe = m.Subscribe(
                 self.name,
@@ -173,9 +175,10 @@ class Subscriber:
                 key=None if key is None else key.decode("ascii"),
             )
             await self.client.request(subscribe)
-        except BaseException as exc:
-            await self.__aexit__(type(exc), exc, exc.__traceback__)
+        except BaseException:
+            await stack.aclose()
             raise
+        self._stack = stack
         return self
 
     async def __aexit__(
@@ -184,10 +187,9 @@ class Subscriber:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            await self.client.__aexit__(exc_type, exc, tb)
-        finally:
-            await self.receiver.__aexit__(exc_type, exc, tb)
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.__aexit__(exc_type, exc, tb)
 
     async def wait_for_version(self, version: int, timeout: float) -> int:
         """Wait until this engine holds ``version`` or newer."""
