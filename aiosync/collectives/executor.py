@@ -141,6 +141,11 @@ class GroupExecutor:
                 self.join_timeout,
             )
 
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs (after close, False unless a collective still blocks)."""
+        return self._thread.is_alive()
+
     async def __aenter__(self) -> GroupExecutor:
         self.start()
         return self
@@ -205,9 +210,7 @@ class GroupExecutor:
     ) -> T:
         """Await a future from :meth:`submit` under ``deadline`` (see :meth:`run`)."""
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(future)), deadline.remaining()
-            )
+            return await asyncio.wait_for(asyncio.wrap_future(future), deadline.remaining())
         except TimeoutError:
             raise self.fail(self._timeout(what, deadline, peers)) from None
         except AiosyncError as exc:

@@ -1,0 +1,69 @@
+"""Collectives under a deadline: what a :class:`GroupExecutor` job calls.
+
+Each call issues one collective on a side group with a per-operation timeout taken from the
+sync's :class:`~aiosync.collectives.executor.Deadline`, and returns once the bytes are in
+place on this rank (for CUDA tensors: the host waits for the GPU stream).
+
+- Gloo honours the per-operation timeout itself: a broadcast whose peers never come raises
+  once the deadline passes, so no Gloo rank stays blocked.
+- NCCL gets the deadline plus ``NCCL_GRACE`` seconds as its watchdog timeout, so that the
+  executor's abort at the deadline comes first (torch's watchdog, on its own timeout, may
+  tear the whole process down); a collective blocked on the GPU ends when the executor
+  aborts the communicator.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from aiosync.collectives.executor import Deadline
+
+NCCL_GRACE = 30.0
+"""Seconds past the deadline before NCCL's own watchdog would act (after aiosync's abort)."""
+
+_SHORTEST = 0.001
+
+
+def op_timeout(deadline: Deadline, tensor: torch.Tensor) -> timedelta:
+    """The per-operation timeout for a collective on ``tensor`` under ``deadline``."""
+    remaining = max(deadline.remaining(), _SHORTEST)
+    if tensor.is_cuda:
+        remaining += NCCL_GRACE
+    return timedelta(seconds=remaining)
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int, deadline: Deadline) -> None:
+    """Broadcast ``tensor`` from group rank ``src`` to every rank of ``group``; blocking.
+
+    ``tensor`` must be contiguous; on every rank but ``src`` it is overwritten. Returns
+    when this rank's part is done (for CUDA tensors, once the GPU finished it).
+    """
+    options = dist.BroadcastOptions()
+    options.rootRank = src
+    options.rootTensor = 0
+    options.timeout = op_timeout(deadline, tensor)
+    work = group.broadcast([tensor], options)
+    work.wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def broadcast_many(
+    group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int, deadline: Deadline
+) -> None:
+    """One broadcast per tensor, issued back to back, then one wait for all of them."""
+    works = []
+    for tensor in tensors:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        options.timeout = op_timeout(deadline, tensor)
+        works.append(group.broadcast([tensor], options))
+    for work in works:
+        work.wait()
+    cuda = {tensor.device for tensor in tensors if tensor.is_cuda}
+    for device in cuda:
+        torch.cuda.current_stream(device).synchronize()
