@@ -5,9 +5,10 @@ the ordinary :class:`~aiosync.WeightSender` and streams them from shared memory 
 :class:`Subscriber` engines. :class:`ServerClient` asks a server for status and waits.
 """
 
+from aiosync.server.config import ServerConfig
 from aiosync.server.fleet import FleetBook, SubscriberState
 from aiosync.server.retention import RetentionBook, RetentionPolicy
-from aiosync.server.server import ServerConfig, WeightServer
+from aiosync.server.server import WeightServer
 from aiosync.server.subscriber import ServerClient, Subscriber
 
 __all__ = [

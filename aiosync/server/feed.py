@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import anyio
 
 from aiosync.channels.base import Channel
-from aiosync.core.errors import AiosyncError
+from aiosync.core.errors import AiosyncError, RejectedError
 from aiosync.core.trainer_session import LinkSession
 from aiosync.core.wire import (
     GOODBYE_SEQ,
@@ -130,3 +130,37 @@ async def _goodbye(link: EngineLink) -> None:
         reply = decode(await link.channel.recv())
         if isinstance(reply, Ack) and reply.seq == GOODBYE_SEQ:
             return
+
+
+def is_refusal(exc: AiosyncError) -> bool:
+    """Whether the subscriber refused the version (its session is still good)."""
+    return isinstance(exc, RejectedError)
+
+
+async def gone_while_idle(changed: anyio.Event, channel: Channel) -> bool:
+    """Wait for ``changed`` while watching an idle subscriber's channel; True if it is gone.
+
+    Reading is what notices a receiver that went away (its process died or it left); a
+    message it sends while idle is dropped.
+    """
+    gone = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal gone
+            try:
+                while True:
+                    await channel.recv()  # nothing is due while idle: dropped
+                    log.debug("dropped a message from idle subscriber %s", channel.peer)
+            except AiosyncError as exc:
+                log.debug("subscriber %s gone: %s", channel.peer, exc)
+                gone = True
+                tg.cancel_scope.cancel()
+
+        async def wait() -> None:
+            await changed.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(wait)
+    return gone

@@ -12,6 +12,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from aiosync.core.errors import UsageError
+from aiosync.core.limits import shorten
 
 HISTORY = 1 << 16
 """Published version numbers remembered for counting lag (the oldest are forgotten)."""
@@ -114,3 +115,24 @@ class FleetBook:
         if state.version is None or newest > state.version:
             return newest
         return None
+
+
+MAX_NAME = 256
+"""Characters in a subscriber's name or endpoint."""
+
+
+def subscription_problem(
+    fleet: FleetBook, name: str, endpoint: str, max_lag: int, max_subscribers: int
+) -> str | None:
+    """Why a subscription (peer input) is refused, or None when it may go ahead."""
+    if len(name) > MAX_NAME or len(endpoint) > MAX_NAME:
+        return f"name or endpoint longer than {MAX_NAME} characters"
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        return f"endpoint {shorten(endpoint, 64)!r} is not ipc:// or tcp://"
+    if len(fleet.subscribers) >= max_subscribers:
+        return f"already {max_subscribers} subscribers"
+    if name in fleet.subscribers:
+        return f"a subscriber named {name!r} is connected"
+    if max_lag < 0:
+        return "max_lag must not be negative"
+    return None

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from contextlib import AsyncExitStack, suppress
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -25,58 +24,17 @@ import anyio.abc
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.limits import shorten
-from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.runtime import require_asyncio
 from aiosync.server import messages as m
-from aiosync.server.feed import send_version
-from aiosync.server.fleet import FleetBook, SubscriberState
-from aiosync.server.retention import RetentionPolicy
+from aiosync.server.config import ServerConfig
+from aiosync.server.feed import gone_while_idle, is_refusal, send_version
+from aiosync.server.fleet import FleetBook, SubscriberState, subscription_problem
 from aiosync.server.store import RetainingSink, RetentionStore
 
 log = logging.getLogger(__name__)
 
-MAX_NAME = 256
 REPLY_TIMEOUT = 10.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """How a server listens, retains, and bounds its peers.
-
-    ``publish_endpoint`` (publishers' ``WeightSender`` connects here) and
-    ``control_endpoint`` (subscribers and clients): default ``ipc://`` in private
-    directories; ``tcp://`` needs ``auth`` (CURVE keys, or loopback without).
-    ``subscriber_auth`` is this server's keypair towards subscribers' ``tcp://`` receivers
-    (each subscriber names its receiver's public key when it subscribes). ``receiver`` bounds
-    what a publisher may send. ``timeout`` bounds every wait on a subscriber;
-    ``window`` the buckets awaiting a subscriber's ack; ``max_subscribers`` the
-    subscriptions at once; ``memory_timeout`` how long a publisher's bucket waits for room.
-    ``metrics_port`` (None: off) serves ``/metrics`` and ``/healthz`` on ``metrics_host``,
-    which must be loopback.
-    """
-
-    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
-    publish_endpoint: str | None = None
-    control_endpoint: str | None = None
-    auth: ChannelAuth | None = None
-    subscriber_auth: ChannelAuth | None = None
-    receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
-    timeout: float = 60.0
-    window: int = 16
-    max_subscribers: int = 64
-    max_wait: float = 3600.0
-    memory_timeout: float = 60.0
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if min(self.timeout, self.max_wait, self.memory_timeout) <= 0:
-            raise ValueError("server timeouts must be positive")
-        if self.window < 1 or self.max_subscribers < 1:
-            raise ValueError("window and max_subscribers must be at least 1")
 
 
 class WeightServer:
@@ -346,17 +304,9 @@ class WeightServer:
         """Open a channel to the subscriber's receiver and start feeding it."""
         assert self._tasks is not None
         name = request.name or control.peer
-        problem = None
-        if len(name) > MAX_NAME or len(request.endpoint) > MAX_NAME:
-            problem = f"name or endpoint longer than {MAX_NAME} characters"
-        elif not request.endpoint.startswith(("ipc://", "tcp://")):
-            problem = f"endpoint {shorten(request.endpoint, 64)!r} is not ipc:// or tcp://"
-        elif len(self.fleet.subscribers) >= self.config.max_subscribers:
-            problem = f"already {self.config.max_subscribers} subscribers"
-        elif name in self.fleet.subscribers:
-            problem = f"a subscriber named {name!r} is connected"
-        elif request.max_lag < 0:
-            problem = "max_lag must not be negative"
+        problem = subscription_problem(
+            self.fleet, name, request.endpoint, request.max_lag, self.config.max_subscribers
+        )
         if problem is not None:
             await self._reply(control, m.Refused(problem))
             return None
@@ -391,7 +341,7 @@ class WeightServer:
                 target = self.fleet.next_version(state.name, self.store.versions)
                 retained = None if target in (None, refused) else self.store.pin(target)
                 if retained is None:
-                    if await _gone_while_idle(self._changed, channel):
+                    if await gone_while_idle(self._changed, channel):
                         return
                     continue
                 started = time.perf_counter()
@@ -409,7 +359,7 @@ class WeightServer:
                     log.warning("transfer to %s failed: %s", state.name, exc)
                     if self.metrics is not None:
                         self.metrics.failures.inc()
-                    if channel.lost.is_set() or not _refusal(exc):
+                    if channel.lost.is_set() or not is_refusal(exc):
                         return
                     refused = retained.version  # not again: wait for a newer one
                     continue
@@ -441,38 +391,3 @@ class WeightServer:
             if joined is not None:
                 self.metrics.latency.labels("late_join").observe(time.perf_counter() - joined)
         self._notify()
-
-
-def _refusal(exc: AiosyncError) -> bool:
-    from aiosync.core.errors import RejectedError
-
-    return isinstance(exc, RejectedError)
-
-
-async def _gone_while_idle(changed: anyio.Event, channel: Channel) -> bool:
-    """Wait for ``changed`` while watching an idle subscriber's channel; True if it is gone.
-
-    Reading is what notices a receiver that went away (its process died or it left); a
-    message it sends while idle is dropped.
-    """
-    gone = False
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            nonlocal gone
-            try:
-                while True:
-                    await channel.recv()  # nothing is due while idle: dropped
-                    log.debug("dropped a message from idle subscriber %s", channel.peer)
-            except AiosyncError as exc:
-                log.debug("subscriber %s gone: %s", channel.peer, exc)
-                gone = True
-                tg.cancel_scope.cancel()
-
-        async def wait() -> None:
-            await changed.wait()
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
-        tg.start_soon(wait)
-    return gone

@@ -1,0 +1,47 @@
+"""How a weight server listens, retains and bounds its peers: :class:`ServerConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiosync.channels.keys import ChannelAuth
+from aiosync.engine.config import ReceiverConfig
+from aiosync.server.retention import RetentionPolicy
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How a server listens, retains, and bounds its peers.
+
+    ``publish_endpoint`` (publishers' ``WeightSender`` connects here) and
+    ``control_endpoint`` (subscribers and clients): default ``ipc://`` in private
+    directories; ``tcp://`` needs ``auth`` (CURVE keys, or loopback without).
+    ``subscriber_auth`` is this server's keypair towards subscribers' ``tcp://`` receivers
+    (each subscriber names its receiver's public key when it subscribes). ``receiver`` bounds
+    what a publisher may send. ``timeout`` bounds every wait on a subscriber;
+    ``window`` the buckets awaiting a subscriber's ack; ``max_subscribers`` the
+    subscriptions at once; ``memory_timeout`` how long a publisher's bucket waits for room.
+    ``metrics_port`` (None: off) serves ``/metrics`` and ``/healthz`` on ``metrics_host``,
+    which must be loopback.
+    """
+
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    publish_endpoint: str | None = None
+    control_endpoint: str | None = None
+    auth: ChannelAuth | None = None
+    subscriber_auth: ChannelAuth | None = None
+    receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
+    timeout: float = 60.0
+    window: int = 16
+    max_subscribers: int = 64
+    max_wait: float = 3600.0
+    memory_timeout: float = 60.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if min(self.timeout, self.max_wait, self.memory_timeout) <= 0:
+            raise ValueError("server timeouts must be positive")
+        if self.window < 1 or self.max_subscribers < 1:
+            raise ValueError("window and max_subscribers must be at least 1")
