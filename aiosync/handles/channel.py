@@ -19,7 +19,7 @@ import msgspec
 
 from aiosync.channels.base import Channel, Listener
 from aiosync.channels.keys import ChannelAuth
-from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
+from aiosync.core.errors import AiosyncError, PeerGoneError, ProtocolError, UsageError
 from aiosync.handles.base import EngineHandle, HealthStatus, WeightSyncResult
 from aiosync.handles.results import MAX_TEXT
 
@@ -122,6 +122,15 @@ class ChannelHandle(EngineHandle):
         return self._name
 
     async def _roundtrip(self, call: Call) -> Reply:
+        try:
+            return await self._exchange(call)
+        except PeerGoneError as exc:
+            where = f" at {exc.peer}" if exc.peer and exc.peer != self._name else ""
+            raise PeerGoneError(
+                f"engine unreachable{where}: {exc.reason}", peer=self._name
+            ) from exc
+
+    async def _exchange(self, call: Call) -> Reply:
         async with self._lock:
             request_id = next(self._ids)
             await self._channel.send(_encoder.encode(Request(request_id, call)))

@@ -42,6 +42,7 @@ from aiosync.collectives.rendezvous import is_token, valid_host
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import TensorSpec, view_spec
 from aiosync.engine.sinks import WeightSink
+from aiosync.handles.alias_store import AliasStore, rank_alias
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
 
 log = logging.getLogger(__name__)
@@ -197,12 +198,13 @@ class AiosyncEngine:
         def join(rank: int) -> dist.ProcessGroup:
             client = connect_store(host, port, timeout=limit)
             store = client if token is None else token_store(client, token)
+            alias = rank_alias(group_name, rank)  # ranks of one process need names of their own
             return init_process_group(
                 backend=backend,
-                store=store,
+                store=AliasStore(store, alias, group_name),
                 world_size=world_size,
                 rank=rank,
-                group_name=group_name,
+                group_name=alias,
                 timeout=limit,
             )
 
@@ -233,12 +235,16 @@ class AiosyncEngine:
         group = self._groups.pop(group_name, None)
         if group is None:
             return True, f"{self.name} is not a member of {group_name!r}"
-        for ex in group.executors:  # a receive blocked in this group fails now (NCCL abort)
-            ex.fail(AiosyncError(f"group {group_name!r} destroyed", peer=self.name))
-        with self._lock:
+        if not self._lock.acquire(blocking=False):  # an update is in flight: break it first
+            for ex in group.executors:  # (an NCCL group is aborted, its receive fails now)
+                ex.fail(AiosyncError(f"group {group_name!r} destroyed", peer=self.name))
+            self._lock.acquire()
+        try:
             self._abort_pending()
             for ex in group.executors:
                 ex.close()
+        finally:
+            self._lock.release()
         return True, f"{self.name} left {group_name!r}"
 
     def close(self) -> None:

@@ -109,6 +109,13 @@ def _timeout(what: str, group: str, deadline: Deadline, pending: set[str]) -> Sy
     )
 
 
+def _close_store(store: HostedStore) -> None:
+    try:
+        store.close()
+    except OSError as exc:  # torch may have closed the listening socket itself
+        log.debug("closing the store: %s", exc)
+
+
 async def _close_executor(executor: GroupExecutor, wait: float) -> None:
     executor.join_timeout = max(0.1, wait)
     with anyio.CancelScope(shield=True):
@@ -182,7 +189,7 @@ async def connect(
         if isinstance(error, AiosyncError):
             executor.fail(error)
         await _close_executor(executor, CLEANUP_WAIT)
-        store.close()
+        _close_store(store)
         if error is not exc:
             raise error from exc
         raise
@@ -302,7 +309,7 @@ async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
         if trainer.executor.broken is not None or problems:
             trainer.executor.fail(AiosyncError(f"group {trainer.name!r} disconnected"))
         await _close_executor(trainer.executor, max(CLEANUP_WAIT, deadline.remaining()))
-        trainer.store.close()
+        _close_store(trainer.store)
     for problem in problems:
         log.warning("group %s: disconnect: %s", trainer.name, problem)
     return problems
