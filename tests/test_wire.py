@@ -38,6 +38,7 @@ from aiosync.core.wire import (
     Complete,
     CudaIpcHandle,
     CudaIpcPlaneSpec,
+    CudaLegacyPlaneSpec,
     Goodbye,
     Hello,
     Ping,
@@ -93,9 +94,11 @@ SAMPLES: list[Any] = [
         CudaIpcPlaneSpec([CUDA_HANDLE, CudaIpcHandle(0, b"", 0, 0, b"", 0, None, False, 0)]),
     ),
     Hello(0, 0, "", "", ShmPlaneSpec([])),
+    Hello(2, 2, "s", "t", CudaLegacyPlaneSpec(1, 4096, [b"h" * 64, b"i" * 64], [b"e" * 64] * 2)),
     Ready("session-1", PROTOCOL_MAX, None),
     Ready("session-1", 2, 0),
     Ready("session-1", 2, 2**62),
+    Ready("session-1", 2, 3, events=[b"\x00" * 64, b"\xff" * 64]),
     Begin(0),
     Begin(3, []),
     Begin(7, MANIFEST),
@@ -163,8 +166,14 @@ def test_every_message_type_is_sampled() -> None:
         Ping,
     }
     planes = {type(m.plane) for m in SAMPLES if isinstance(m, Hello)}
-    assert planes == set(typing.get_args(wire.PlaneSpec)) == {ShmPlaneSpec, CudaIpcPlaneSpec}
-    handles = {type(h) for m in SAMPLES if isinstance(m, Hello) for h in m.plane.buffers}
+    kinds = {ShmPlaneSpec, CudaIpcPlaneSpec, CudaLegacyPlaneSpec}
+    assert planes == set(typing.get_args(wire.PlaneSpec)) == kinds
+    handles = {
+        type(h)
+        for m in SAMPLES
+        if isinstance(m, Hello) and not isinstance(m.plane, CudaLegacyPlaneSpec)
+        for h in m.plane.buffers
+    }
     assert handles == {ShmHandle, CudaIpcHandle}
     buckets = [m for m in SAMPLES if isinstance(m, Bucket)]
     assert any(b.slots for b in buckets)

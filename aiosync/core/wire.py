@@ -72,7 +72,25 @@ class CudaIpcPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_ipc"):
         return [handle.size for handle in self.buffers]
 
 
-PlaneSpec = ShmPlaneSpec | CudaIpcPlaneSpec
+class CudaLegacyPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_legacy"):
+    """CUDA buffers of ``size`` bytes on ``device`` with legacy IPC handles (``cudaMalloc``).
+
+    ``handles`` are ``cudaIpcMemHandle_t`` bytes, ``events`` one ``cudaIpcEventHandle_t``
+    per buffer, recorded once a bucket is packed there (see :mod:`aiosync.planes.cuda_legacy`).
+    """
+
+    device: int
+    size: int
+    handles: list[bytes]
+    events: list[bytes] = []
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each buffer, in the order buckets name them."""
+        return [self.size] * len(self.handles)
+
+
+PlaneSpec = ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec
 """How an engine reaches the bytes of buckets; new planes add a tagged member here."""
 
 
@@ -90,12 +108,15 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     """Engine -> sender: the plane is open; ``protocol`` is the version both will speak.
 
     ``limits`` are the engine's bounds, which the sender plans its buckets to fit.
+    ``events``: for a CUDA plane, the engine's IPC event per buffer, recorded once a
+    bucket's copies are queued (the trainer's stream waits on it before reusing the buffer).
     """
 
     session: str
     protocol: int
     version: int | None
     limits: Limits = Limits()
+    events: list[bytes] = []
 
 
 class Begin(msgspec.Struct, frozen=True, tag="begin"):

@@ -50,6 +50,7 @@ from aiosync.engine.leases import LeaseGate
 from aiosync.engine.sinks import WeightSink
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane
+from aiosync.planes.cuda_order import ordered_apply, with_plane_events
 from aiosync.runtime import require_asyncio
 
 log = logging.getLogger(__name__)
@@ -344,7 +345,7 @@ class WeightReceiver:
                 log.warning("refused session from %s: %s", action.peer, exc)
                 return machine.plane_failed(action.peer, str(exc))
             self._planes[action.peer] = plane
-            return machine.plane_opened(action.peer)
+            return with_plane_events(machine.plane_opened(action.peer), plane)
         if isinstance(action, ClosePlane):
             closing = self._planes.pop(action.peer, None)
             if closing is not None:
@@ -372,8 +373,12 @@ class WeightReceiver:
         return []
 
     def _apply(self, plane: ReceiverPlane, action: Apply) -> None:
-        """Hand the sink the bucket's bytes and specs (a worker thread)."""
-        self.sink.apply_bucket(plane.view(action.buffer, action.used), action.specs)
+        """Hand the sink the bucket's bytes and specs (a worker thread).
+
+        A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
+        """
+        with ordered_apply(plane, action.buffer):
+            self.sink.apply_bucket(plane.view(action.buffer, action.used), action.specs)
 
     async def _committed_hook(self, version: int) -> None:
         log.info("committed version %d", version)

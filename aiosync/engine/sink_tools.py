@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from aiosync.planes.cuda_order import sync_deferred
+
 Rename = Mapping[str, str] | Callable[[str], str]
 
 
@@ -18,7 +20,12 @@ def rename_function(rename: Rename | None) -> Callable[[str], str] | None:
 
 
 def sync_cuda(devices: Iterable[torch.device]) -> None:
-    """Wait for this thread's copies on every CUDA device among ``devices``."""
+    """Wait for this thread's copies on every CUDA device among ``devices``.
+
+    Not while a CUDA plane orders this thread's copies with events (it records its own).
+    """
+    if sync_deferred():
+        return
     for device in devices:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()

@@ -67,6 +67,7 @@ class BucketFanout:
         self.progress = progress
         self.timeout = min(link.timeout for link in links.values())
         self._limiter = anyio.CapacityLimiter(1)
+        self._consumed = getattr(plane, "consumed", None)
         self._entries: dict[str, int] | None = None  # built in the packing thread
         self.sent_buckets = self.sent_tensors = 0
         self.acked = SyncProgress(version, 0, 0, 0)
@@ -74,6 +75,9 @@ class BucketFanout:
     async def run(self, plans: Iterator[BucketPlan], begin: bytes | None) -> None:
         """Stream every planned bucket to every live engine (opening with ``begin`` if given)."""
         count = self.plane.count
+        begin_version = getattr(self.plane, "begin_version", None)
+        if begin_version is not None:  # a CUDA plane packs on this (the caller's) stream
+            begin_version()
         free_tx, free_rx = anyio.create_memory_object_stream[int](count)
         for index in range(count):
             free_tx.send_nowait(index)
@@ -234,6 +238,8 @@ class BucketFanout:
                     raise link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
                 if packed.index == BEGIN:
                     continue
+                if self._consumed is not None:  # reuse waits for the engine's CUDA event
+                    self._consumed(packed.index, link.events)
                 plan = ledger.release(packed.index, link.name)
                 if plan is not None:
                     self._bucket_done(plan)

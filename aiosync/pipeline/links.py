@@ -31,6 +31,7 @@ class EngineLink:
         self.timeout = timeout
         self.window = anyio.Semaphore(channel.window) if channel.window else None
         self.broken: AiosyncError | None = None  # set once the session cannot be trusted
+        self.events: list[bytes] = []  # the engine's CUDA IPC events, from its ready
 
     @property
     def name(self) -> str:
@@ -94,6 +95,7 @@ class EngineLink:
             if not isinstance(reply, Ready):
                 raise ProtocolError(f"expected ready, got {type(reply).__name__}", peer=self.name)
             self.session.ready(reply)
+            self.events = reply.events
             return reply
         raise PeerGoneError(f"no reply to hello within {self.timeout:g}s", peer=self.name)
 

@@ -9,12 +9,24 @@ from __future__ import annotations
 import torch
 
 from aiosync.core.limits import Limits
-from aiosync.core.wire import CudaIpcPlaneSpec, PlaneSpec, ShmPlaneSpec
+from aiosync.core.wire import CudaIpcPlaneSpec, CudaLegacyPlaneSpec, PlaneSpec, ShmPlaneSpec
 from aiosync.planes.base import ReceiverPlane, SenderPlane
 
 
-def create_sender_plane(device: torch.device, count: int, capacity: int) -> SenderPlane:
-    """A ring of ``count`` buffers of ``capacity`` bytes shareable from ``device``."""
+def create_sender_plane(
+    device: torch.device, count: int, capacity: int, *, ordered: bool = False
+) -> SenderPlane:
+    """A ring of ``count`` buffers of ``capacity`` bytes shareable from ``device``.
+
+    ``ordered`` (CUDA): aiosync's own buffers with legacy IPC handles, whose packing and
+    reading are chained by CUDA events instead of host waits (the pipeline's planes, see
+    :mod:`aiosync.planes.cuda_legacy`); otherwise :meth:`SenderPlane.pack` returns with the
+    bytes in place.
+    """
+    if device.type == "cuda" and ordered:
+        from aiosync.planes.cuda_legacy import CudaLegacySenderPlane
+
+        return CudaLegacySenderPlane(device, count, capacity)
     if device.type == "cuda":
         from aiosync.planes.cuda_ipc import CudaIpcSenderPlane
 
@@ -45,6 +57,10 @@ def open_receiver_plane(
         from aiosync.planes.cuda_ipc import CudaIpcReceiverPlane
 
         return CudaIpcReceiverPlane(spec, device)
+    if isinstance(spec, CudaLegacyPlaneSpec):
+        from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
+
+        return CudaLegacyReceiverPlane(spec, device)
     raise ValueError(f"unknown data plane {type(spec).__name__}")
 
 

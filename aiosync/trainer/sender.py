@@ -162,7 +162,9 @@ class WeightSender:
         require_asyncio("WeightSender")
         self._stack = AsyncExitStack()
         try:
-            plane = create_sender_plane(self.device, self.config.num_buffers, self._capacity)
+            plane = create_sender_plane(
+                self.device, self.config.num_buffers, self._capacity, ordered=True
+            )
             self._stack.callback(plane.close)
             self._plane = plane
             self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
