@@ -26,7 +26,14 @@ import torch
 import zmq
 
 from aiosync import PeerGoneError, SenderConfig, SyncTimeoutError
+from aiosync.collectives import init_process_group
 from aiosync.compat import stream_cache
+from aiosync.compat.distributed import (
+    _check_weight_sync_results,
+    broadcast_hf_buckets_via_distributed_impl,
+    connect_rollout_engines_from_distributed,
+    disconnect_rollout_engines_from_distributed,
+)
 from aiosync.compat.errors import CompatRuntimeError, CompatTypeError, CompatValueError, translate
 from aiosync.compat.policy import (
     AUTOMODEL_FACTORY,
@@ -283,14 +290,19 @@ __all__ = [
     "AUTOMODEL_FACTORY",
     "IPCProtocol",
     "POLICY_WORKER_OVERRIDES",
+    "_check_weight_sync_results",
     "aggregate_per_sample_handles",
+    "broadcast_hf_buckets_via_distributed_impl",
     "calculate_aligned_size",
     "configure_dynamo_cache",
+    "connect_rollout_engines_from_distributed",
+    "disconnect_rollout_engines_from_distributed",
     "ensure_teacher_ipc_buffer",
     "get_gpu_info",
     "get_handle_from_tensor",
     "get_megatron_checkpoint_dir",
     "get_runtime_env_for_policy_worker",
+    "init_process_group",
     "is_vllm_v1_engine_enabled",
     "iter_named_tensor_buckets",
     "rebuild_cuda_tensor_from_ipc",
