@@ -84,6 +84,7 @@ class ColocatedReceiver:
         except (AiosyncError, ValueError) as exc:
             text = f"{self.name}: {exc}"
             self.failures.append(text)
+            del self.failures[: -self._limits.max_failures]
             log.warning("%s", text)
             self._abort()
             return WeightSyncResult(False, text)
@@ -102,6 +103,9 @@ class ColocatedReceiver:
         lasts = {part.last for part in parts}
         if len(lasts) != 1:
             raise ProtocolError("some parts end the version and others do not")
+        if parts[0].seq == 0 and self._seq != 0:  # a new sync: an unfinished one is dropped
+            log.warning("%s: a new sync began before the last one ended; dropping it", self.name)
+            self._abort()
         for part in parts:
             if part.error is not None:
                 raise AiosyncError(f"trainer rank {part.rank}: {part.error}", version=version)

@@ -39,7 +39,9 @@ from aiosync.core.layout import (
     materialize,
     plan_buckets,
 )
-from aiosync.handles.base import EngineHandle
+from aiosync.core.wire import CudaIpcPlaneSpec, ShmPlaneSpec
+from aiosync.handles import EngineHandle, ObjectHandle, as_engine_handle
+from aiosync.handles.ray_actor import is_ray_actor
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.topology.connect import default_timeout
 from aiosync.topology.gather import agree_on_failures, gather_bytes
@@ -96,17 +98,21 @@ async def _in_thread(device: int | None, func: Callable[..., T], *args: Any) -> 
 
 
 def as_handle(engine: object, index: int) -> tuple[EngineHandle, bool]:
-    """An engine handle for what the caller holds, and whether it was made here (to close)."""
+    """An engine handle for what the caller holds, and whether it was made here (to close).
+
+    An :class:`EngineHandle` is used as is; an object in this process with an
+    ``update_weights_from_tensor`` method (all a colocated sync calls) gets an
+    :class:`~aiosync.handles.ObjectHandle`; anything else (a Ray actor) goes through
+    :func:`aiosync.handles.as_engine_handle`. Unnamed engines are named by a ``name``
+    attribute, if a string, else ``engine <index>``.
+    """
     if isinstance(engine, EngineHandle):
         return engine, False
-    try:
-        from aiosync.handles import as_engine_handle  # type: ignore[attr-defined]
-    except ImportError:
-        from aiosync.handles.inproc import ObjectHandle
-
-        return ObjectHandle(engine, name=f"engine {index}"), True
-    handle: EngineHandle = as_engine_handle(engine)
-    return handle, True
+    name = getattr(engine, "name", None)
+    name = name if isinstance(name, str) else f"engine {index}"
+    if not is_ray_actor(engine) and callable(getattr(engine, "update_weights_from_tensor", None)):
+        return ObjectHandle(engine, name=name), True
+    return as_engine_handle(engine, name=name), True
 
 
 class _Packer:
@@ -139,7 +145,10 @@ class _Packer:
             plans = list(plan_buckets(pairs, plane.capacity, max_items=len(pairs) + 1))
             plan = plans[0] if plans else BucketPlan()
             plane.pack(0, plan)
-            handle = plane.spec.buffers[0]
+            spec = plane.spec
+            if not isinstance(spec, ShmPlaneSpec | CudaIpcPlaneSpec):
+                raise UsageError(f"a colocated part cannot name a {type(spec).__name__}")
+            handle = spec.buffers[0]
             return RankPart(
                 self.rank, self.engine, seq, buffer=handle, used=plan.used, specs=plan.specs
             )
@@ -190,7 +199,10 @@ class _RankSync:
         )
         failure: str | None = None
         if gathered is not None:
-            failure = await self.call_engine(gathered, part.seq, part.last)
+            try:
+                failure = await self.call_engine(gathered, part.seq, part.last)
+            except Exception as exc:  # the others wait in the all-reduce below: always join it
+                failure = f"{type(exc).__name__}: {exc}"
         flags = [False] * len(self.layout.engines)
         flags[self.index] = failure is not None
         agreed = await _in_thread(
@@ -221,7 +233,8 @@ class _RankSync:
             return "; ".join(errors)
         if self.handle is None:
             self.handle, self._made = as_handle(self.engine_obj, self.index)
-            self.engine_name = f"engine {self.index} ({self.handle.name})"
+            if self.handle.name != self.engine_name:
+                self.engine_name = f"{self.engine_name} ({self.handle.name})"
         budget = self.timeout * ENGINE_SHARE
         try:
             with anyio.fail_after(budget):
