@@ -53,6 +53,36 @@ SIGNATURES: dict[str, list[tuple[str, object]]] = {
     ],
     "rebuild_cuda_tensor_from_ipc": [("cuda_ipc_handle", None), ("device_id", None)],
     "iter_named_tensor_buckets": [("params_generator", None), ("buffer_size_bytes", None)],
+    "init_process_group": [
+        ("backend", None),
+        ("init_method", None),
+        ("timeout", None),
+        ("world_size", -1),
+        ("rank", -1),
+        ("store", None),
+        ("group_name", None),
+        ("pg_options", None),
+    ],
+    "_check_weight_sync_results": [("results", None)],
+    # keyword-only in the reference (checked in tests/test_compat_distributed.py too)
+    "connect_rollout_engines_from_distributed": [
+        ("group_name", None),
+        ("rollout_engines", None),
+        ("engine_gpu_counts", None),
+    ],
+    "disconnect_rollout_engines_from_distributed": [
+        ("group_name", None),
+        ("model_update_group", None),
+        ("rollout_engines", None),
+    ],
+    "broadcast_hf_buckets_via_distributed_impl": [
+        ("bucket_iterator", None),
+        ("rollout_engines", None),
+        ("rollout_engine_lock", None),
+        ("group_name", None),
+        ("model_update_group", None),
+        ("weight_version", None),
+    ],
 }
 
 
