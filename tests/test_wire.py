@@ -34,6 +34,7 @@ from aiosync.core.wire import (
     Ack,
     Begin,
     Bucket,
+    CollectivePlaneSpec,
     Commit,
     Complete,
     CudaIpcHandle,
@@ -95,6 +96,9 @@ SAMPLES: list[Any] = [
     ),
     Hello(0, 0, "", "", ShmPlaneSpec([])),
     Hello(2, 2, "s", "t", CudaLegacyPlaneSpec(1, 4096, [b"h" * 64, b"i" * 64], [b"e" * 64] * 2)),
+    Hello(
+        2, 2, "s", "t", CollectivePlaneSpec("gloo", "127.0.0.1", 1234, "ab" * 16, "g", 3, 2, 4096)
+    ),
     Ready("session-1", PROTOCOL_MAX, None),
     Ready("session-1", 2, 0),
     Ready("session-1", 2, 2**62),
@@ -166,12 +170,12 @@ def test_every_message_type_is_sampled() -> None:
         Ping,
     }
     planes = {type(m.plane) for m in SAMPLES if isinstance(m, Hello)}
-    kinds = {ShmPlaneSpec, CudaIpcPlaneSpec, CudaLegacyPlaneSpec}
+    kinds = {ShmPlaneSpec, CudaIpcPlaneSpec, CudaLegacyPlaneSpec, CollectivePlaneSpec}
     assert planes == set(typing.get_args(wire.PlaneSpec)) == kinds
     handles = {
         type(h)
         for m in SAMPLES
-        if isinstance(m, Hello) and not isinstance(m.plane, CudaLegacyPlaneSpec)
+        if isinstance(m, Hello) and isinstance(m.plane, ShmPlaneSpec | CudaIpcPlaneSpec)
         for h in m.plane.buffers
     }
     assert handles == {ShmHandle, CudaIpcHandle}

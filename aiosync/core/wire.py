@@ -90,7 +90,34 @@ class CudaLegacyPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_legacy"):
         return [self.size] * len(self.handles)
 
 
-PlaneSpec = ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec
+class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
+    """Buckets broadcast from rank 0 of a side process group (NCCL or Gloo).
+
+    The engine joins group ``group`` of ``world_size`` ranks through the store at
+    ``host``:``port`` under the key prefix of ``token`` (so the token must only travel on
+    an authenticated channel), takes the next free rank, and receives each bucket into
+    one of ``count`` buffers of ``capacity`` bytes: one broadcast per bucket, or one per
+    tensor when ``per_tensor``. ``timeout_ms`` bounds each collective.
+    """
+
+    backend: str
+    host: str
+    port: int
+    token: str
+    group: str
+    world_size: int
+    count: int
+    capacity: int
+    per_tensor: bool = False
+    timeout_ms: int = 60_000
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each buffer, in the order buckets name them."""
+        return [self.capacity] * self.count
+
+
+PlaneSpec = ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec | CollectivePlaneSpec
 """How an engine reaches the bytes of buckets; new planes add a tagged member here."""
 
 
