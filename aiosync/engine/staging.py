@@ -71,10 +71,10 @@ class Staging:
                 group.append(tensor)
         self.shadow: dict[str, torch.Tensor] = {}
         self.pending: set[str] = set()
-        # pointer swap: the tensor we made live last (it holds the live storage) and its
-        # address; while the live tensor still has that address, its layout is known
-        self._standby: dict[str, torch.Tensor] = {}
-        self._placed: dict[str, int] = {}
+        # pointer swap: the storage made live last (its StorageImpl, alive while the tensor
+        # beside it holds it) and that tensor (the next shadow); while the live tensor still
+        # has that storage, its layout is known
+        self._placed: dict[str, tuple[int, torch.Tensor]] = {}
 
     def write(self, name: str) -> tuple[str, torch.Tensor]:
         """The key and shadow that ``name`` is written into this version (made if missing)."""
@@ -114,28 +114,31 @@ class Staging:
         for key in missing:
             self._shadow(key)
 
-    def _swappable(self, key: str) -> bool:
-        """Whether ``key``'s live storage is exactly its tensor and held by its names only.
+    def _movable(self, key: str) -> torch.Tensor | None:
+        """A tensor holding ``key``'s live storage if that storage may move, else None.
 
-        Once this sink made a storage live, its layout is known (a shadow it allocated) and
-        only the holders are counted: a few calls into torch per tensor.
+        It may move when it is exactly its tensor and held by its names only. Once this sink
+        made a storage live, its layout is known (a shadow it allocated) and only the holders
+        are counted: a few calls into torch per tensor.
         """
         group = self.members[key]
         live = group[0]
         placed = self._placed.get(key)
-        if placed is not None and placed == live.data_ptr():
-            holders = _holders(live.untyped_storage())
-            return holders is not None and holders <= len(group) + 1  # + our standby
+        if placed is not None and _USE_COUNT is not None:
+            storage = live.untyped_storage()
+            if placed[0] == storage._cdata:  # the storage this sink made live
+                ok = _USE_COUNT(placed[0]) - 1 <= len(group) + 1  # + our standby
+                return placed[1] if ok else None
         shadow = self.shadow[key]
         if live.is_meta or live.storage_offset() != 0:
-            return False
+            return None
         if not (live.is_contiguous() and shadow.is_contiguous()):
-            return False
+            return None
         storage = live.untyped_storage()
         if storage.nbytes() != live.nbytes or live.nbytes == 0:
-            return False
+            return None
         holders = _holders(storage)
-        return holders is not None and holders <= len(group)
+        return live.data if holders is not None and holders <= len(group) else None
 
     def commit(self, *, pointers_only: bool = False) -> list[str] | None:
         """Make every shadow written since the last commit live; returns the keys that moved.
@@ -144,29 +147,28 @@ class Staging:
         ``pointers_only``: do nothing and return None unless every written shadow can go
         live by pointer (the receiver then commits on its event loop: no bytes move).
         """
+        moves: list[tuple[str, torch.Tensor]] = []
+        copies: list[str] = []
         pointer = self.swap == "pointer"
-        movable = [key for key in self.pending if pointer and self._swappable(key)]
-        if pointers_only and len(movable) != len(self.pending):
-            return None
-        for key in movable:
-            self._move(key)
-        if len(movable) != len(self.pending):
-            for key in self.pending.difference(movable):
-                self.members[key][0].data.copy_(self.shadow[key], non_blocking=True)
+        for key in self.pending:
+            standby = self._movable(key) if pointer else None
+            if standby is not None:
+                moves.append((key, standby))
+            elif pointers_only:
+                return None
+            else:
+                copies.append(key)
+        shadows, placed = self.shadow, self._placed
+        for key, standby in moves:  # the shadow's storage becomes the live one; and back
+            shadow = shadows[key]
+            for tensor in self.members[key]:
+                tensor.data = shadow
+            shadows[key] = standby
+            placed[key] = (shadow.untyped_storage()._cdata, shadow)
+        for key in copies:
+            self.members[key][0].data.copy_(shadows[key], non_blocking=True)
         self.pending.clear()
-        return movable
-
-    def _move(self, key: str) -> None:
-        """Hand ``key``'s shadow storage to its live tensors; the old one becomes the shadow."""
-        group, shadow = self.members[key], self.shadow[key]
-        standby = self._standby.get(key)
-        if standby is None or self._placed.get(key) != group[0].data_ptr():
-            standby = group[0].data  # a first swap, or the live tensor was replaced
-        for tensor in group:
-            tensor.data = shadow
-        self.shadow[key] = standby
-        self._standby[key] = shadow
-        self._placed[key] = shadow.data_ptr()
+        return [key for key, _ in moves]
 
     def abort(self) -> None:
         """Forget what was written since the last commit (nothing live was touched)."""
