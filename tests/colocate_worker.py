@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aiosync.compat import nemo_rl
 from aiosync.engine.sinks import ModuleSink
 from aiosync.handles.base import WeightSyncResult
 from aiosync.runtime import run
@@ -92,11 +93,19 @@ def make_engines(layout: Any, rank: int, fail: dict[str, Any] | None) -> list[An
 def scenario(cmd: dict[str, Any]) -> dict[str, Any]:
     rank = dist.get_rank()
     started = time.monotonic()
-    layout = connect_topology(
-        engine_gpu_counts=cmd["counts"],
-        engine_gpu_offsets=cmd.get("offsets"),
-        worker_state=STATE,
-    )
+    if cmd.get("compat"):  # NeMo-RL's names
+        nemo_rl.connect_colocate_topology(
+            engine_gpu_counts=cmd["counts"],
+            engine_gpu_offsets=cmd.get("offsets"),
+            worker_state=STATE,
+        )
+        layout = STATE["_ipc_layout"]
+    else:
+        layout = connect_topology(
+            engine_gpu_counts=cmd["counts"],
+            engine_gpu_offsets=cmd.get("offsets"),
+            worker_state=STATE,
+        )
     group = STATE["_ipc_gather_group"]
     out: dict[str, Any] = {
         "rank": rank,
@@ -124,6 +133,16 @@ def scenario(cmd: dict[str, Any]) -> dict[str, Any]:
 
             began = time.monotonic()
             try:
+                if cmd.get("compat"):
+                    nemo_rl.send_hf_buckets_via_ipc_actor_impl(
+                        bucket_iterator=iter(buckets(number, cmd.get("per_bucket", 2))),
+                        rollout_engines=engines,
+                        worker_state=STATE,
+                        weight_version=version,
+                    )
+                    good = number
+                    reports.append({"compat": True})
+                    continue
                 report = run(main)
             except Exception as exc:
                 reports.append(

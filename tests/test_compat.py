@@ -83,6 +83,19 @@ SIGNATURES: dict[str, list[tuple[str, object]]] = {
         ("model_update_group", None),
         ("weight_version", None),
     ],
+    "_derive_engine_gpu_offsets": [("engine_gpu_counts", None)],
+    # keyword-only in the reference (tests/test_topology_gloo.py runs them across ranks)
+    "connect_colocate_topology": [
+        ("engine_gpu_counts", None),
+        ("engine_gpu_offsets", None),
+        ("worker_state", None),
+    ],
+    "send_hf_buckets_via_ipc_actor_impl": [
+        ("bucket_iterator", None),
+        ("rollout_engines", None),
+        ("worker_state", None),
+        ("weight_version", None),
+    ],
 }
 
 

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiosync.core.errors import ProtocolError, UsageError
+from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
 from aiosync.core.layout import TensorSpec, plan_buckets
 from aiosync.core.wire import ShmHandle
 from aiosync.engine.sinks import ModuleSink
@@ -309,3 +309,43 @@ def test_engine_refuses_a_buffer_it_cannot_open(trainer: Trainer) -> None:
     forged = msgspec.structs.replace(part, buffer=ShmHandle(name="aiosync-1-1-deadbeef", size=4096))
     _refused(engine, [encode_part(forged), entries[1]], "refusing shared-memory name")
     engine.close()
+
+
+# ----------------------------------------------------------------------------- NeMo-RL names
+
+
+def test_nemo_rl_names_raise_the_reference_builtin_types() -> None:
+    from aiosync.compat import nemo_rl
+
+    assert nemo_rl._derive_engine_gpu_offsets([2, 2]) == [0, 2]
+    with pytest.raises(ValueError, match="positive integer") as bad:
+        nemo_rl._derive_engine_gpu_offsets([0])
+    assert isinstance(bad.value, AiosyncError)
+    with pytest.raises(ValueError, match="empty") as empty:
+        nemo_rl.connect_colocate_topology(engine_gpu_counts=[], worker_state={})
+    assert isinstance(empty.value, AiosyncError)
+    with pytest.raises(ValueError, match="entries"):
+        nemo_rl.connect_colocate_topology(
+            engine_gpu_counts=[1], engine_gpu_offsets=[0, 1], worker_state={}
+        )
+    with pytest.raises(RuntimeError, match=r"torch\.distributed"):
+        nemo_rl.connect_colocate_topology(engine_gpu_counts=[1], worker_state={})
+    with pytest.raises(RuntimeError, match="connect_colocate_topology first"):
+        nemo_rl.send_hf_buckets_via_ipc_actor_impl(
+            bucket_iterator=iter([]), rollout_engines=[], worker_state={}
+        )
+
+
+def test_a_placeholder_rank_returns_without_touching_anything() -> None:
+    from aiosync.compat import nemo_rl
+
+    def never() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        raise AssertionError("a placeholder rank must not read its buckets")
+        yield []
+
+    state = {"_ipc_layout": plan_layout([1], [1], 2), "_ipc_engine_index": None}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("torch.distributed.get_rank", lambda group=None: 0)
+        nemo_rl.send_hf_buckets_via_ipc_actor_impl(
+            bucket_iterator=never(), rollout_engines=[object()], worker_state=state
+        )

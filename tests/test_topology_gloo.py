@@ -201,3 +201,20 @@ def test_group_timeout_default_is_what_the_margin_test_assumes() -> None:
     from aiosync.topology.connect import default_timeout
 
     assert default_timeout() == GROUP_TIMEOUT
+
+
+def test_nemo_rl_names_sync_and_raise_runtime_errors(world: World) -> None:
+    answers = world.run(
+        compat=True, counts=[1, 3], versions=[2, 3], fail={"engine": 1, "mode": "result", "at": 0}
+    )
+    for answer in answers:
+        failed, recovered = answer["reports"]
+        assert "RuntimeError" in failed["types"]
+        assert "AiosyncError" in failed["types"]
+        assert "send_hf_buckets_via_ipc_actor_impl" in failed["error"]
+        assert "engine 1" in failed["error"]
+        assert recovered == {"compat": True}
+    assert answers[0]["layout_key"] == [WORLD, [[0, 1], [1, 3]]]
+    for source in answers[:2]:
+        assert source["exact"] is True
+        assert source["engine_version"] == 3

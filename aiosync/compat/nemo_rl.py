@@ -28,6 +28,11 @@ import zmq
 from aiosync import PeerGoneError, SenderConfig, SyncTimeoutError
 from aiosync.collectives import init_process_group
 from aiosync.compat import stream_cache
+from aiosync.compat.colocate import (
+    _derive_engine_gpu_offsets,
+    connect_colocate_topology,
+    send_hf_buckets_via_ipc_actor_impl,
+)
 from aiosync.compat.distributed import (
     _check_weight_sync_results,
     broadcast_hf_buckets_via_distributed_impl,
@@ -291,10 +296,12 @@ __all__ = [
     "IPCProtocol",
     "POLICY_WORKER_OVERRIDES",
     "_check_weight_sync_results",
+    "_derive_engine_gpu_offsets",
     "aggregate_per_sample_handles",
     "broadcast_hf_buckets_via_distributed_impl",
     "calculate_aligned_size",
     "configure_dynamo_cache",
+    "connect_colocate_topology",
     "connect_rollout_engines_from_distributed",
     "disconnect_rollout_engines_from_distributed",
     "ensure_teacher_ipc_buffer",
@@ -309,5 +316,6 @@ __all__ = [
     "release_ipc_zmq_streams",
     "resolve_model_class",
     "resolve_policy_worker_cls",
+    "send_hf_buckets_via_ipc_actor_impl",
     "stream_weights_via_ipc_zmq_impl",
 ]
