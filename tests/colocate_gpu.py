@@ -1,0 +1,297 @@
+"""The two-GPU colocated run: 2 trainer ranks, one engine spanning both GPUs, CUDA IPC.
+
+``python -m tests.colocate_gpu [--versions N] [--bucket-mb MB]`` starts one engine process
+(a :class:`~aiosync.topology.ColocatedReceiver` with a sink on cuda:0 and one on cuda:1,
+served over aiosync's control channel) and two trainer processes (Gloo world of 2, rank r on
+cuda:r) holding Llama-3-8B shapes in bf16 (291 tensors, 16.06 GB each). Each version the
+trainers refill their weights, then ``send_colocated`` hands every bucket to the engine:
+rank r's part is a CUDA IPC buffer on GPU r, which the engine's sink on GPU r reads. After
+each version the engine regenerates the expected weights on both GPUs and compares them bit
+for bit (outside the timed part). Prints one JSON line per version and a summary line; exits
+non-zero unless every version is bit-exact. Every process is killed and reaped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+GUARD = 170.0  # seconds for the whole run: it must finish unattended in under 3 minutes
+
+
+TINY = os.environ.get("AIOSYNC_COLOCATE_TINY") == "1"
+"""Set by ``--tiny``: CPU only, the same layout scaled down (a check of this script in CI)."""
+
+
+def llama3_8b_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-3-8B's tensors (hidden 4096, 32 layers, 8 KV heads, MLP 14336, vocab 128256)."""
+    hidden, kv, inter, vocab, layers = 4096, 1024, 14336, 128256, 32
+    if TINY:
+        hidden, kv, inter, vocab, layers = 64, 16, 224, 500, 2
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+        ]
+    return [*shapes, ("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def zeros(device: torch.device) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in llama3_8b_shapes()}
+
+
+def expected(version: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Version ``version``'s weights, one tensor at a time (the same bits on any GPU)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(version)
+    for name, shape in llama3_8b_shapes():
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        t.normal_(0.0, 0.02, generator=gen)
+        yield name, t
+
+
+def fill(model: dict[str, torch.Tensor], version: int) -> None:
+    device = next(iter(model.values())).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(version)
+    for name, _ in llama3_8b_shapes():
+        model[name].normal_(0.0, 0.02, generator=gen)
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def engine_main() -> None:
+    import anyio
+    import anyio.to_thread
+
+    from aiosync.channels.zmq import ZmqListener
+    from aiosync.engine.sinks import ModuleSink
+    from aiosync.handles import ObjectHandle, serve_engine
+    from aiosync.runtime import run
+    from aiosync.topology import ColocatedReceiver
+
+    devices = [torch.device("cpu" if TINY else f"cuda:{i}") for i in range(2)]
+    models = [zeros(d) for d in devices]
+
+    class VerifyingReceiver(ColocatedReceiver):
+        def check_health(self) -> dict[str, Any]:
+            """Compares both GPUs' weights with the current version's, bit for bit."""
+            version = self.current_version
+            if version is None:
+                return {"healthy": False, "message": "no version yet"}
+            bad = [
+                f"cuda:{i} {name}"
+                for i, (device, model) in enumerate(zip(devices, models, strict=True))
+                for name, want in expected(version, device)
+                if not torch.equal(model[name].view(torch.int16), want.view(torch.int16))
+            ]
+            return {
+                "healthy": not bad,
+                "message": "bit-exact" if not bad else f"{len(bad)} differ: {bad[:3]}",
+                "weight_version": str(version),
+            }
+
+    receiver = VerifyingReceiver([ModuleSink(m) for m in models], name="engine-tp2")
+
+    async def serve() -> None:
+        listener = ZmqListener.open()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve_engine, listener, ObjectHandle(receiver, name="engine-tp2"))
+                print(json.dumps({"ready": listener.endpoint}), flush=True)
+                await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+                tg.cancel_scope.cancel()
+        finally:
+            await listener.aclose()
+            receiver.close()
+
+    run(serve)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def trainer_main(rank: int, store: str, endpoint: str, versions: int, bucket_mb: float) -> None:
+    import torch.distributed as dist
+
+    from aiosync.core.layout import iter_named_tensor_buckets
+    from aiosync.handles import ChannelHandle
+    from aiosync.runtime import run
+    from aiosync.topology import connect_topology, send_colocated
+
+    device = torch.device("cpu" if TINY else f"cuda:{rank}")
+    if not TINY:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    state: dict[str, Any] = {}
+    connect_topology(engine_gpu_counts=[2], worker_state=state)
+    model = zeros(device)
+    nbytes = sum(t.numel() * t.element_size() for t in model.values())
+
+    async def main() -> None:
+        handle = ChannelHandle.connect(endpoint, name="engine-tp2") if rank == 0 else None
+        try:
+            for version in range(1, versions + 1):
+                fill(model, version)
+                if not TINY:
+                    torch.cuda.synchronize()
+                dist.barrier()
+                began = time.perf_counter()
+                report = await send_colocated(
+                    bucket_iterator=iter_named_tensor_buckets(
+                        model.items(), int(bucket_mb * 2**20)
+                    ),
+                    rollout_engines=[handle],
+                    worker_state=state,
+                    weight_version=version,
+                )
+                seconds = time.perf_counter() - began
+                line: dict[str, Any] = {
+                    "rank": rank,
+                    "version": version,
+                    "ms": round(seconds * 1e3, 2),
+                    "buckets": report.buckets,
+                    "bytes": nbytes,
+                    "tensors": len(model),
+                }
+                if handle is not None:
+                    health = await handle.check_health()
+                    line.update(exact=health.healthy, check=health.message)
+                    line["engine_version"] = health.weight_version
+                print(json.dumps(line), flush=True)
+                dist.barrier()
+        finally:
+            if handle is not None:
+                await handle.aclose()
+
+    run(main)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _lines(proc: subprocess.Popen[str], out: list[dict[str, Any]], tag: str) -> None:
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            print(f"[{tag}] {raw.rstrip()}", file=sys.stderr, flush=True)
+
+
+def drive(versions: int, bucket_mb: float) -> int:
+    from aiosync.runtime import child_env, stop_process
+
+    if not TINY and torch.cuda.device_count() < 2:
+        print(json.dumps({"skipped": "needs two CUDA devices"}), flush=True)
+        return 0
+    env = child_env()
+    env["AIOSYNC_COLOCATE_TINY"] = "1" if TINY else "0"
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    me = [sys.executable, "-m", "tests.colocate_gpu"]
+    procs: list[subprocess.Popen[str]] = []
+    deadline = time.monotonic() + GUARD
+    try:
+        engine = subprocess.Popen(
+            [*me, "--role", "engine"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        procs.append(engine)
+        assert engine.stdout is not None
+        ready = json.loads(engine.stdout.readline() or "{}")
+        if "ready" not in ready:
+            print(json.dumps({"error": "engine did not start"}), flush=True)
+            return 1
+        store = os.path.join(tempfile.mkdtemp(prefix="aiosync-colocate-"), "store")
+        results: list[dict[str, Any]] = []
+        readers = []
+        for rank in range(2):
+            args = ["--role", "trainer", "--rank", str(rank), "--store", store]
+            args += ["--endpoint", ready["ready"], "--versions", str(versions)]
+            args += ["--bucket-mb", str(bucket_mb)]
+            proc = subprocess.Popen([*me, *args], stdout=subprocess.PIPE, text=True, env=env)
+            procs.append(proc)
+            reader = threading.Thread(
+                target=_lines, args=(proc, results, f"rank {rank}"), daemon=True
+            )
+            reader.start()
+            readers.append(reader)
+        codes = []
+        for proc in procs[1:]:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        for reader in readers:
+            reader.join(timeout=10)
+        for line in sorted(results, key=lambda r: (r.get("version", 0), r.get("rank", 0))):
+            print(json.dumps(line), flush=True)
+        sources = [r for r in results if "exact" in r]
+        timed = [r["ms"] for r in results if r.get("version", 0) > 1]
+        ok = codes == [0, 0] and len(sources) == versions and all(r["exact"] for r in sources)
+        summary = {
+            "ok": ok,
+            "versions": versions,
+            "exit_codes": codes,
+            "first_ms": max((r["ms"] for r in results if r.get("version") == 1), default=None),
+            "later_ms_min": min(timed, default=None),
+            "later_ms_max": max(timed, default=None),
+            "bytes_per_rank": results[0]["bytes"] if results else None,
+            "bucket_mb": bucket_mb,
+        }
+        print(json.dumps({"summary": summary}), flush=True)
+        return 0 if ok else 1
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        for proc in procs:
+            stop_process(proc, grace=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=["drive", "engine", "trainer"], default="drive")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--store", default="")
+    parser.add_argument("--endpoint", default="")
+    parser.add_argument("--versions", type=int, default=4)
+    parser.add_argument("--bucket-mb", type=float, default=1024)
+    parser.add_argument("--tiny", action="store_true", help="CPU only, shapes scaled down")
+    args = parser.parse_args()
+    if args.tiny:
+        global TINY
+        TINY = True
+    if args.role == "engine":
+        engine_main()
+    elif args.role == "trainer":
+        trainer_main(args.rank, args.store, args.endpoint, args.versions, args.bucket_mb)
+    else:
+        sys.exit(drive(args.versions, args.bucket_mb))
+
+
+if __name__ == "__main__":
+    main()
