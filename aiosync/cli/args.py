@@ -267,6 +267,22 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
         metavar="N",
         help="also time N one-element tensors, per tensor (0: skip)",
     )
+    bench.add_argument(
+        "--serving",
+        action="store_true",
+        help="instead, measure serving under a steady request load while versions arrive "
+        "(in place, staged copy, staged pointer): time to live, request waits, extra memory",
+    )
+    bench.add_argument(
+        "--requests", type=positive_int, default=4, help="with --serving: request workers"
+    )
+    bench.add_argument(
+        "--request-ms",
+        type=positive_float,
+        default=5.0,
+        metavar="MS",
+        help="with --serving: how long each request holds its read lease",
+    )
     _report(bench, "every figure")
 
     trainer = _subparser(

@@ -15,6 +15,7 @@ import copy
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from aiosync.cli.args import CommandError, MiB
@@ -56,6 +57,8 @@ def bench(args: argparse.Namespace) -> int:
 
     nbytes_target = args.size_mb * MiB
     device = args.device
+    if args.serving:
+        return _serving(args, say)
     memcpy = floors.measure_memcpy(min(nbytes_target, 1 << 30))
     say(f"memcpy (1 thread): {memcpy:.2f} GB/s")
     out: dict[str, Any] = {
@@ -108,3 +111,25 @@ def _line(label: str, case: dict[str, Any]) -> str:
         f"stall {case['trainer_stall_ms']:.1f} ms (trainer), {case['engine_stall_ms']:.1f} ms "
         "(engine)"
     )
+
+
+def _serving(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    """``--serving``: the request-load benchmark of :mod:`aiosync.bench.serving` (CPU)."""
+    from aiosync.bench import model, serving
+
+    if args.device != "cpu":
+        raise CommandError("--serving runs on the CPU only (--device cpu)")
+    load = serving.Load(
+        requests=args.requests,
+        request_s=args.request_ms / 1e3,
+        versions=args.repeats,
+        buffer_bytes=int(args.buffer_mb * MiB),
+        buffers=args.buffers,
+        timeout=args.timeout,
+    )
+    out = serving.measure(lambda: model.synthetic_state_dict(args.size_mb * MiB), load, say)
+    if not all(case["verified"] for case in out["modes"] + out["tensors_300"]):
+        raise CommandError("the engine's weights differ from the trainer's")
+    if args.json:
+        print(json.dumps(out))
+    return 0

@@ -40,7 +40,8 @@ class SwapStats:
     ``last_wait``/``longest_wait``: waiting for read leases to be released; ``last_swap``:
     the sink's commit (the swap itself); ``last_commit``: from the commit message's action
     to the version being live and its acknowledgement handed to the channel (wait
-    included); ``committed``/``dropped``: versions made live / not made live at this step.
+    included); ``last_live``: when the last version went live (``time.perf_counter()``);
+    ``committed``/``dropped``: versions made live / not made live at this step.
     """
 
     committed: int = 0
@@ -49,6 +50,7 @@ class SwapStats:
     longest_wait: float = 0.0
     last_swap: float = 0.0
     last_commit: float = 0.0
+    last_live: float = 0.0
 
 
 class Swapper:
@@ -89,6 +91,7 @@ class Swapper:
                     actions = machine.commit_failed(action.peer, action.version, error)
                     self.stats.dropped += 1
                 else:  # live for every lease taken from now on, and only then acknowledged
+                    self.stats.last_live = time.perf_counter()
                     actions = machine.commit_done(action.peer, action.version, time.monotonic())
                     self.stats.committed += 1
         except SyncTimeoutError as exc:  # readers held on: nothing was touched
