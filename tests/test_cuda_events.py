@@ -7,7 +7,6 @@ own IPC handles.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -104,6 +103,8 @@ def test_no_host_sync_per_bucket_in_either_process() -> None:
 def test_legacy_handles_and_the_same_stream_with_expandable_segments_on() -> None:
     """With expandable segments in both processes, aiosync's buffers still export legacy
     cudaIpcMemHandle_t handles (torch's own export would not), and a stream is bit-exact."""
+    from aiosync.runtime import child_env
+
     probe = subprocess.run(
         [
             sys.executable,
@@ -119,7 +120,7 @@ def test_legacy_handles_and_the_same_stream_with_expandable_segments_on() -> Non
             "  'expandable': torch.cuda.memory.get_allocator_backend()}))\n"
             "plane.close()\n",
         ],
-        env={**os.environ, **EXPANDABLE, "PYTHONPATH": str(ROOT)},
+        env={**child_env(), **EXPANDABLE},
         capture_output=True,
         text=True,
         timeout=120,

@@ -128,7 +128,8 @@ class DeviceMemory:
             if code != 0:
                 lib.cudaFree(pointer)
                 _check(code, "cudaIpcGetMemHandle")
-            return cls(pointer.value, size, device, bytes(handle.reserved), owned=True)
+            raw = ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+            return cls(pointer.value, size, device, raw, owned=True)
 
     @classmethod
     def open(cls, handle: bytes, size: int, device: int) -> DeviceMemory:
@@ -140,7 +141,7 @@ class DeviceMemory:
             _use_device(device)
             pointer = ctypes.c_void_p()
             raw = _IpcHandle()
-            raw.reserved = handle
+            ctypes.memmove(ctypes.addressof(raw), handle, IPC_HANDLE_BYTES)
             code = lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, _LAZY_ENABLE_PEER_ACCESS)
             _check(code, "cudaIpcOpenMemHandle")
             assert pointer.value is not None
