@@ -148,3 +148,49 @@ def test_engine_killed_mid_broadcast_ends_within_deadline_naming_it(
             assert health.weight_version is None
         finally:
             _close(handles)
+
+
+def test_engine_frozen_mid_broadcast_times_out_naming_it_and_disconnect_completes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    deadline = 5.0
+    with engine_process("--ranks", "1") as good, engine_process("--hang-in-apply") as frozen:
+        handles = _handles(good, frozen)
+        try:
+            group = connect_rollout_engines_from_distributed(
+                group_name="frozen", rollout_engines=handles, engine_gpu_counts=[1, 1]
+            )
+            monkeypatch.setenv(distributed.TIMEOUT_ENV, str(deadline))  # for the sync only
+            errors: list[BaseException] = []
+            done = threading.Event()
+
+            def sync() -> None:
+                try:
+                    _send(handles, group, "frozen", seed=1, version=1)
+                except BaseException as exc:
+                    errors.append(exc)
+                finally:
+                    done.set()
+
+            worker = threading.Thread(target=sync)
+            worker.start()
+            frozen.wait_for("applying")
+            os.kill(frozen.proc.pid, signal.SIGSTOP)
+            try:
+                assert done.wait(deadline * 5), "the sync outlived its deadline"
+                worker.join()
+                assert len(errors) == 1
+                assert isinstance(errors[0], TimeoutError)
+                assert "e1" in str(errors[0])
+                assert "e0" not in str(errors[0])  # it answered
+                assert all(e["event"] != "committed" for e in good.drain())
+                disconnect_rollout_engines_from_distributed(
+                    group_name="frozen", model_update_group=group, rollout_engines=handles
+                )
+                health = distributed._loop().call(handles[0].check_health)
+                assert health.healthy
+                assert health.weight_version is None
+            finally:
+                os.kill(frozen.proc.pid, signal.SIGKILL)  # stuck for good: no graceful exit
+        finally:
+            _close(handles)
