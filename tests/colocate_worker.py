@@ -77,10 +77,10 @@ def make_engines(layout: Any, rank: int, fail: dict[str, Any] | None) -> list[An
         if engine.source != rank:
             engines.append(None)  # only the source resolves its engine's entry
             continue
-        sinks = [ModuleSink({k: torch.zeros_like(v) for k, v in model(0).items()})]
-        sinks = sinks + [
-            ModuleSink({k: torch.zeros_like(v) for k, v in model(0).items()})
-            for _ in range(engine.count - 1)
+        staged = bool(fail and fail.get("staged"))
+        sinks = [
+            ModuleSink({k: torch.zeros_like(v) for k, v in model(0).items()}, staged=staged)
+            for _ in range(engine.count)
         ]
         name = f"sglang-{engine.index}"
         if fail is not None and fail["engine"] == engine.index:

@@ -204,8 +204,9 @@ class Trainer:
             out.append(encode_part(msgspec.structs.replace(part, specs=plan.specs)))
         return out
 
-    def last(self, seq: int) -> list[bytes]:
-        return [encode_part(RankPart(rank, 0, seq, last=True)) for rank in range(len(self.planes))]
+    def last(self, seq: int, commit: bool = False) -> list[bytes]:
+        ranks = range(len(self.planes))
+        return [encode_part(RankPart(r, 0, seq, last=True, commit=commit)) for r in ranks]
 
     def close(self) -> None:
         for plane in self.planes:
@@ -234,10 +235,11 @@ def _sync(engine: ColocatedReceiver, trainer: Trainer, seed: int, version: str |
             trainer.parts(seq, bucket), load_format=FORMAT, weight_version=version
         )
         assert result.success, result.message
-    result = engine.update_weights_from_tensor(
-        trainer.last(2), load_format=FORMAT, weight_version=version
-    )
-    assert result.success, result.message
+    for seq, commit in ((2, False), (3, True)):  # prepare, then commit
+        result = engine.update_weights_from_tensor(
+            trainer.last(seq, commit), load_format=FORMAT, weight_version=version
+        )
+        assert result.success, result.message
 
 
 def test_engine_applies_each_gpus_part_and_numbers_versions(trainer: Trainer) -> None:
@@ -271,7 +273,7 @@ def test_engine_refuses_hostile_calls_and_keeps_its_staged_weights(trainer: Trai
     _refused(engine, [b"\x00garbage", good[1]], "undecodable")
     _refused(engine, ["text", good[1]], "must be bytes")
     _refused(engine, good, "not an integer", weight_version="v2")
-    _refused(engine, [good[0], trainer.last(0)[1]], "end the version and others do not")
+    _refused(engine, [good[0], trainer.last(0)[1]], "others do not")
     unknown = trainer.parts(0, [("nope", torch.zeros(3))])
     _refused(engine, unknown, "no such parameter")
     wrong = trainer.parts(0, [("w", torch.zeros(3, 3))])
@@ -349,3 +351,35 @@ def test_a_placeholder_rank_returns_without_touching_anything() -> None:
         nemo_rl.send_hf_buckets_via_ipc_actor_impl(
             bucket_iterator=never(), rollout_engines=[object()], worker_state=state
         )
+
+
+def test_engine_commits_only_a_prepared_version_and_says_when_it_is_servable(
+    trainer: Trainer,
+) -> None:
+    engine, _ = _engine()  # in place
+    _sync(engine, trainer, 1, "1")
+    assert engine.servable
+    pairs = list(_weights(2).items())
+    assert engine.update_weights_from_tensor(
+        trainer.parts(0, pairs[:2]), load_format=FORMAT
+    ).success
+    assert not engine.servable  # in place: half of version 2 is in the weights
+    _refused(engine, trainer.last(1, commit=True), "but None is prepared")
+    assert engine.current_version == 1
+    assert not engine.servable
+    _sync(engine, trainer, 3, "3")
+    assert engine.servable
+    assert engine.update_weights_from_tensor(
+        trainer.parts(0, pairs[:2]), load_format=FORMAT
+    ).success
+    assert engine.update_weights_from_tensor(
+        trainer.parts(1, pairs[2:]), load_format=FORMAT
+    ).success
+    assert engine.update_weights_from_tensor(trainer.last(2), load_format=FORMAT).success
+    _refused(engine, trainer.parts(3, pairs[:1]), "was prepared")
+    engine.close()
+
+
+def test_a_commit_part_in_the_middle_of_a_sync_is_refused() -> None:
+    with pytest.raises(ProtocolError, match="commit in the middle"):
+        decode_part(encode_part(RankPart(0, 0, 0, commit=True)))

@@ -179,6 +179,20 @@ def test_a_failing_engine_is_named_on_every_rank_and_the_next_sync_recovers(
         assert src["engine_version"] == 5
 
 
+def test_an_engine_failing_to_prepare_leaves_every_engine_on_its_version(world: World) -> None:
+    # 3 buckets, prepare, commit per sync: call 8 is engine 1's prepare of the second sync
+    fail = {"engine": 1, "mode": "result", "at": 8, "staged": True}
+    answers = world.run(counts=[2, 2], versions=[1, 2], fail=fail)
+    for answer in answers:
+        ok, failed = answer["reports"]
+        assert ok["buckets"] == 3
+        assert "engine 1" in failed["error"]
+        assert "failed the version's prepare" in failed["error"]
+    for source in (answers[0], answers[2]):  # engine 0 prepared version 2 but did not commit
+        assert source["engine_version"] == 1
+        assert source["exact"] is True  # staged: still version 1, bit for bit
+
+
 def test_a_silent_engine_fails_its_bucket_and_releases_every_rank(world: World) -> None:
     budget = 2.0  # the engine call's share of it: 1.5 s
     answers = world.run(

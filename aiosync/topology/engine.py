@@ -5,12 +5,13 @@ An engine spanning ``n`` GPUs has one sink per GPU (its tensor-parallel ranks); 
 :class:`ColocatedReceiver` is called as SGLang's engines are
 (``update_weights_from_tensor(serialized_named_tensors, load_format, flush_cache,
 weight_version)``, through any :class:`~aiosync.handles.EngineHandle`), once per bucket with
-one encoded :class:`~aiosync.topology.parts.RankPart` per GPU, then once more with parts
-marked ``last`` and no bytes, which checks that the version covered what every sink
-requires and makes it current. Every part is hostile input: decoded, its specs checked
-against the sink's expectations before any byte is copied, its buffer opened through
-:mod:`aiosync.planes` (sealed memfds on the CPU, CUDA IPC on a GPU) and closed again when
-the version ends.
+one encoded :class:`~aiosync.topology.parts.RankPart` per GPU, then twice with parts
+marked ``last`` and no bytes: first to prepare (the version covered what every sink
+requires; nothing visible changes), then, once every engine of the fleet prepared, to
+commit (the prepared version becomes current). Every part is hostile input: decoded, its
+specs checked against the sink's expectations before any byte is copied, its buffer opened
+through :mod:`aiosync.planes` (sealed memfds on the CPU, CUDA IPC on a GPU) and closed
+again when the version ends.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class ColocatedReceiver:
         self._opened: dict[int, _Opened] = {}
         self._covered: list[set[str]] = [set() for _ in self._sinks]
         self._seq = 0
+        self._prepared: int | None = None
+        self._touched = False  # an in-place sink holds bytes of an uncommitted version
         self._lock = threading.Lock()
         self.current_version: int | None = None
         """The version last made current (None before the first)."""
@@ -100,9 +103,8 @@ class ColocatedReceiver:
             raise ProtocolError(f"{len(entries)} parts for an engine of {len(self._sinks)} GPUs")
         parts = [self._decode(entry) for entry in entries]
         version = self._version(weight_version)
-        lasts = {part.last for part in parts}
-        if len(lasts) != 1:
-            raise ProtocolError("some parts end the version and others do not")
+        if len({(part.last, part.commit) for part in parts}) != 1:
+            raise ProtocolError("some parts end the version (or commit it) and others do not")
         if parts[0].seq == 0 and self._seq != 0:  # a new sync: an unfinished one is dropped
             log.warning("%s: a new sync began before the last one ended; dropping it", self.name)
             self._abort()
@@ -113,8 +115,12 @@ class ColocatedReceiver:
                 raise ProtocolError(
                     f"rank {part.rank} sent bucket {part.seq}, expected {self._seq}"
                 )
-        if lasts.pop():
+        if parts[0].commit:
             return self._commit(version)
+        if parts[0].last:
+            return self._prepare(version)
+        if self._prepared is not None:
+            raise ProtocolError(f"a bucket after version {self._prepared} was prepared")
         for index, part in enumerate(parts):
             self._apply(index, part)
         self._seq += 1
@@ -168,13 +174,15 @@ class ColocatedReceiver:
             )
         self._check(index, part.specs)
         plane = self._plane(index, part)
+        if not self._sinks[index].staged:
+            self._touched = True
         view = plane.view(0, part.used)
         try:
             self._sinks[index].apply_bucket(view, part.specs)
         finally:
             del view
 
-    def _commit(self, version: int) -> WeightSyncResult:
+    def _prepare(self, version: int) -> WeightSyncResult:
         for index, expectations in enumerate(self._expectations):
             if expectations is None:
                 continue
@@ -182,12 +190,25 @@ class ColocatedReceiver:
             if missing:
                 shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
                 raise AiosyncError(f"GPU {index}: version misses {len(missing)} tensors: {shown}")
+        self._prepared = version
+        self._seq += 1
+        return WeightSyncResult(True, f"{self.name}: version {version} prepared")
+
+    def _commit(self, version: int) -> WeightSyncResult:
+        if self._prepared != version:
+            raise ProtocolError(f"commit of version {version}, but {self._prepared} is prepared")
         for sink in self._sinks:
             sink.commit(version)
         self.current_version = version
-        buckets = self._seq
+        self._touched = False
+        buckets = self._seq - 1
         self._reset()
         return WeightSyncResult(True, f"{self.name}: version {version} current ({buckets} buckets)")
+
+    @property
+    def servable(self) -> bool:
+        """False while in-place sinks hold part of an unfinished or failed version."""
+        return not self._touched
 
     def _reset(self) -> None:
         for opened in self._opened.values():
@@ -195,6 +216,7 @@ class ColocatedReceiver:
         self._opened.clear()
         self._covered = [set() for _ in self._sinks]
         self._seq = 0
+        self._prepared = None
 
     def _abort(self) -> None:
         for sink in self._sinks:

@@ -30,7 +30,9 @@ class RankPart(msgspec.Struct, frozen=True, tag="colocated_part"):
     """Trainer rank ``rank``'s share of bucket ``seq`` of one sync, for engine ``engine``.
 
     ``buffer`` holds ``used`` bytes laid out as ``specs`` say. A part marked ``last`` ends
-    the sync (it names no buffer and no tensor): the engine then makes the version current.
+    the sync and names no buffer and no tensor: without ``commit`` the engine prepares the
+    version (checks it is whole, changes nothing visible); with ``commit``, sent once every
+    engine prepared, it makes the prepared version current.
     ``error`` says why this rank could not pack its share (the bucket then fails on every
     rank instead of leaving the others waiting in a collective).
     """
@@ -39,6 +41,7 @@ class RankPart(msgspec.Struct, frozen=True, tag="colocated_part"):
     engine: int
     seq: int
     last: bool = False
+    commit: bool = False
     buffer: ShmHandle | CudaIpcHandle | None = None
     used: int = 0
     specs: list[TensorSpec] = []
@@ -73,6 +76,8 @@ def decode_part(
         raise ProtocolError(f"bucket description from rank {part.rank} has a negative field")
     if part.last and (part.specs or part.buffer is not None):
         raise ProtocolError(f"rank {part.rank}: a part ending the sync carries tensors")
+    if part.commit and not part.last:
+        raise ProtocolError(f"rank {part.rank}: a commit in the middle of a sync")
     if part.error is not None and len(part.error) > MAX_ERROR_CHARS:
         part = msgspec.structs.replace(part, error=part.error[:MAX_ERROR_CHARS] + "...")
     try:
@@ -85,7 +90,8 @@ def decode_part(
 def check_parts(parts: list[RankPart], *, engine: int, ranks: list[int], seq: int) -> bool:
     """Check that ``parts`` are one bucket of ``engine`` from ``ranks`` in order.
 
-    Returns whether it is the last bucket (every part must agree); raises
+    Returns whether the parts end the sync (every part must agree, and on whether they
+    commit); raises
     :class:`ProtocolError` naming the first rank whose part does not fit.
     """
     if len(parts) != len(ranks):
@@ -96,10 +102,9 @@ def check_parts(parts: list[RankPart], *, engine: int, ranks: list[int], seq: in
                 f"engine {engine}: expected bucket {seq} of rank {rank}, got bucket "
                 f"{part.seq} of rank {part.rank} for engine {part.engine}"
             )
-    lasts = {part.last for part in parts}
-    if len(lasts) != 1:
+    if len({(part.last, part.commit) for part in parts}) != 1:
         ended = [part.rank for part in parts if part.last]
         raise ProtocolError(
             f"engine {engine}: ranks {ended} ended the sync at bucket {seq} but others did not"
         )
-    return lasts.pop()
+    return parts[0].last

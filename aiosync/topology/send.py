@@ -7,8 +7,9 @@ its engine's source rank (:func:`~aiosync.topology.gather.gather_bytes`, no pick
 source decodes them as hostile input and calls the engine's ``update_weights_from_tensor``
 through its :class:`~aiosync.handles.EngineHandle`; then every covered rank learns, in one
 all-reduce over the covered ranks, which engines failed the bucket, and all of them raise
-or go on together. After the last bucket one more exchange of parts marked ``last`` makes
-the version current on the engines. Placeholder ranks return at once.
+or go on together. After the last bucket two more exchanges of parts marked ``last``
+prepare the version on every engine, then, only if every engine prepared it, commit it (the
+fleet commits together or not at all). Placeholder ranks return at once.
 
 Blocking work (iterating the caller's buckets, packing, the Gloo collectives) runs in worker
 threads, on the caller's CUDA device, so the event loop stays free. Every collective is
@@ -213,7 +214,9 @@ class _RankSync:
         failed = [i for i, bad in enumerate(agreed) if bad]
         own = f": {failure}" if failure is not None else ""
         names = ", ".join(self.engine_name if i == self.index else f"engine {i}" for i in failed)
-        what = "the version's commit" if part.last else f"bucket {part.seq}"
+        what = f"bucket {part.seq}"
+        if part.last:
+            what = "the version's commit" if part.commit else "the version's prepare"
         raise RejectedError(
             f"{names} failed {what} (seen on trainer rank {self.rank}){own}",
             peer=self.engine_name if self.index in failed else f"engine {failed[0]}",
@@ -308,8 +311,9 @@ async def send_colocated(
             del bucket  # the trainer's references go before the next bucket is read
             await state.exchange(part)
             seq += 1
-        if seq:
+        if seq:  # every engine prepares, then (only if all did) every engine commits
             await state.exchange(RankPart(rank, index, seq, last=True))
+            await state.exchange(RankPart(rank, index, seq + 1, last=True, commit=True))
     finally:
         packer.close()
         await state.aclose()
