@@ -210,6 +210,7 @@ def drive(versions: int, bucket_mb: float) -> int:
     env = child_env()
     env["AIOSYNC_COLOCATE_TINY"] = "1" if TINY else "0"
     env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: Gloo's pairs over loopback
     me = [sys.executable, "-m", "tests.colocate_gpu"]
     procs: list[subprocess.Popen[str]] = []
     deadline = time.monotonic() + GUARD
