@@ -4,8 +4,9 @@ It holds ``mixed_weights`` shapes (zeros at start), one staged ModuleSink per ra
 (``--ranks``), in an :class:`AiosyncEngine` served over a private ipc:// control channel,
 and prints JSON lines: ``ready`` (with the endpoint), ``applying`` (rank, names) before
 each bucket is applied, ``committed`` (rank, version, per-tensor digests) after each
-commit. ``--hang-in-apply`` blocks the first apply (a stuck engine, for the test to kill
-or freeze). It exits when its stdin closes.
+commit, ``answered`` (success, message) after each bucket. ``--hang-in-apply`` blocks the
+first apply (a stuck engine, for the test to kill or freeze). It exits when its stdin
+closes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import sys
 import threading
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -60,6 +62,15 @@ class ReportingSink(ModuleSink):
         emit("committed", rank=self.rank, version=version, digests=digests)
 
 
+class ReportingEngine(AiosyncEngine):
+    """Reports each bucket's answer (``answered``: success, message)."""
+
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> tuple[bool, str]:
+        success, message = super().update_weights_from_distributed(*args, **kwargs)
+        emit("answered", success=success, message=message)
+        return success, message
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=1)
@@ -68,7 +79,7 @@ def main() -> None:
     parser.add_argument("--hang-in-apply", action="store_true")
     args = parser.parse_args()
     sinks = [ReportingSink(rank, args.hang_in_apply) for rank in range(args.ranks)]
-    engine = AiosyncEngine(sinks, name=args.name, timeout=args.timeout)
+    engine = ReportingEngine(sinks, name=args.name, timeout=args.timeout)
 
     async def serve() -> None:
         listener = ZmqListener.open()

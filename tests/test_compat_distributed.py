@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,7 +25,8 @@ from aiosync.compat.distributed import (
 )
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import ChannelHandle
-from tests.handle_peers import engine_process
+from aiosync.runtime import child_env, stop_process
+from tests.handle_peers import ROOT, engine_process
 from tests.models import digest, mixed_weights
 
 BUCKET = 128 * 1024
@@ -194,3 +197,36 @@ def test_engine_frozen_mid_broadcast_times_out_naming_it_and_disconnect_complete
                 os.kill(frozen.proc.pid, signal.SIGKILL)  # stuck for good: no graceful exit
         finally:
             _close(handles)
+
+
+def test_trainer_killed_mid_broadcast_leaves_the_engine_on_its_previous_version() -> None:
+    timeout = 5.0
+    with engine_process("--ranks", "1", "--timeout", str(timeout)) as engine:
+        env = child_env()
+        env.update(GLOO_SOCKET_IFNAME="lo", AIOSYNC_COLLECTIVE_BACKEND="gloo")
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "tests.handle_trainer", engine.endpoint],
+            stdout=subprocess.DEVNULL,
+            env=env,
+            cwd=ROOT,
+        )
+        try:
+            v1 = engine.wait_for("committed", version=1)
+            assert v1["digests"] == _digests(mixed_weights(1))
+            assert engine.wait_for("answered", success=True)
+            # version 2: the trainer dies before broadcasting; the receive ends by the timeout
+            while True:
+                answer = engine.wait_for("answered")
+                if not answer["success"]:
+                    break
+            assert "receiving a bucket" in answer["message"]
+            assert trainer.wait(timeout * 5) == 0
+            assert all(e["event"] != "committed" for e in engine.drain())
+            handle = ChannelHandle.connect(engine.endpoint, name="engine")
+            try:
+                health = distributed._loop().call(handle.check_health)
+            finally:
+                distributed._loop().call(handle.aclose)
+            assert health.weight_version == "1"
+        finally:
+            stop_process(trainer, grace=5)
