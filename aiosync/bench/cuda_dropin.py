@@ -6,9 +6,11 @@ An engine process (``engine`` role) holds a bf16 Llama-shaped model of ``--size-
 ``cuda:0``; this process streams the same shapes to it through
 :func:`~aiosync.compat.nemo_rl.stream_weights_via_ipc_zmq_impl` (``--dropin-mb`` in total,
 two halves) and through :class:`~aiosync.WeightSender` (2 x ``--buffer-mb``), ``--repeats``
-times each after a warm-up, and measures the two floors of the same run (one flat device
-copy of the model's bytes; a copy of every tensor into buffers and back). Every version is
-checked bit-exact on the engine once at the end (a digest of every tensor). Prints JSON.
+times each after a warm-up, then a lock-step baseline (one buffer of ``--dropin-mb``, a
+synchronise per bucket on both sides), and measures the two floors of the same run (one
+flat device copy of the model's bytes; a copy of every tensor into buffers and back). The
+engine's model is checked against the trainer's at the end (sums and samples of every
+tensor's bytes). Prints JSON.
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ def _floors(model: dict[str, torch.Tensor], buffer_bytes: int) -> dict[str, floa
     total = sum(t.nbytes for t in model.values())
     flat = torch.empty(total, dtype=torch.uint8, device="cuda:0")
     other = torch.empty_like(flat)
-    one = statistics.median(_timed(lambda: other.copy_(flat), 5))
+
+    def one_copy() -> None:
+        other.copy_(flat)
+        torch.cuda.synchronize()
+
+    one = statistics.median(_timed(one_copy, 5))
     buf = flat[: 2 * buffer_bytes]
 
     def two_copies() -> None:
@@ -85,10 +92,71 @@ def engine(args: argparse.Namespace) -> None:
     async def serve() -> None:
         async with WeightReceiver(ModuleSink(model)) as receiver:
             print(json.dumps({"endpoint": receiver.endpoint}), flush=True)
-            await anyio.to_thread.run_sync(sys.stdin.readline)  # the trainer says: digest
-            print(json.dumps({"digest": _digest(model)}), flush=True)
+            while True:  # the trainer's commands, one a line
+                words = (await anyio.to_thread.run_sync(sys.stdin.readline)).split()
+                if not words or words[0] == "digest":
+                    print(json.dumps({"digest": _digest(model)}), flush=True)
+                    return
+                await anyio.to_thread.run_sync(_lockstep_engine, model, words[1], int(words[2]))
 
     run(serve)
+
+
+def _lockstep_engine(model: dict[str, torch.Tensor], handle: str, size: int) -> None:
+    """The baseline's engine: copy each announced bucket out, synchronise, answer."""
+    from aiosync.planes.cuda_runtime import DeviceMemory
+
+    memory = DeviceMemory.open(bytes.fromhex(handle), size, 0)
+    views = {n: t.reshape(-1).view(torch.uint8) for n, t in model.items()}
+    print(json.dumps({"opened": True}), flush=True)
+    while (line := sys.stdin.readline().strip()) != "end":
+        for name, offset, nbytes in json.loads(line):
+            views[name].copy_(memory.tensor[offset : offset + nbytes])
+        torch.cuda.synchronize()
+        print(json.dumps({"ok": True}), flush=True)
+    memory.close()
+
+
+def _lockstep(
+    model: dict[str, torch.Tensor], proc: subprocess.Popen[str], size: int, repeats: int
+) -> list[float]:
+    """A lock-step baseline of the usual shape; its time per version.
+
+    One buffer of ``size`` bytes, one bucket in flight, a synchronise after packing and
+    after applying, a reply per bucket.
+    """
+    from aiosync.planes.cuda_runtime import DeviceMemory
+
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    memory = DeviceMemory.allocate(size, 0)
+    proc.stdin.write(f"lockstep {memory.handle.hex()} {size}\n")
+    proc.stdin.flush()
+    json.loads(proc.stdout.readline())
+    buffer = memory.tensor
+
+    def one_version() -> None:
+        bucket: list[tuple[str, int, int]] = []
+        offset = 0
+        items = list(model.items())
+        for i, (name, tensor) in enumerate(items):
+            raw = tensor.reshape(-1).view(torch.uint8)
+            buffer[offset : offset + raw.numel()].copy_(raw)
+            bucket.append((name, offset, raw.numel()))
+            offset += raw.numel()
+            last = i == len(items) - 1
+            if last or offset + items[i + 1][1].nbytes > size:
+                torch.cuda.synchronize()
+                proc.stdin.write(json.dumps(bucket) + "\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
+                json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+                bucket, offset = [], 0
+
+    times = _timed(one_version, repeats)
+    proc.stdin.write("end\n")
+    proc.stdin.flush()
+    memory.close()
+    return times
 
 
 def trainer(args: argparse.Namespace) -> None:
@@ -148,13 +216,15 @@ def trainer(args: argparse.Namespace) -> None:
             return times[1:]
 
         out["native_s"] = run(native)
+        out["lockstep_s"] = _lockstep(model, proc, total, args.repeats)
         proc.stdin.write("digest\n")
         proc.stdin.flush()
         out["bit_exact"] = json.loads(proc.stdout.readline())["digest"] == _digest(model)
-        for key in ("dropin_s", "native_s"):
+        for key in ("dropin_s", "native_s", "lockstep_s"):
             out[key.replace("_s", "_median_s")] = statistics.median(out[key])
         out["dropin_over_native"] = out["dropin_median_s"] / out["native_median_s"]
         out["native_over_two_copies"] = out["native_median_s"] / out["two_copies_s"]
+        out["lockstep_over_native"] = out["lockstep_median_s"] / out["native_median_s"]
         print(json.dumps(out), flush=True)
     finally:
         proc.kill()
