@@ -13,7 +13,8 @@ commit acknowledged at staging) it reports:
 * ``commit_step_ms``: inside the receiver, from the commit message to the version being
   live and acknowledged; ``swap_wait_ms``, the part of it spent waiting for read leases to
   be released; ``commit_less_wait_ms``, the rest (what making the version live adds to a
-  sync); ``swap_ms``, the sink's commit alone;
+  sync); ``swap_ms``, the sink's commit alone, and ``swap_cpu_ms``, the CPU time of the
+  thread that ran it (less than ``swap_ms`` when the machine's cores are busy elsewhere);
 * ``longest_request_wait_ms``: the longest any request waited to start (for a lease, or,
   in place, for the stream to end: an in-place engine pauses serving during a sync), beside
   ``bucket_apply_ms``, the longest a bucket took to apply;
@@ -134,6 +135,7 @@ async def run_mode(
     commits: list[float] = []
     swaps: list[float] = []
     swap_waits: list[float] = []
+    swap_cpu: list[float] = []
     config = SenderConfig(
         buffer_bytes=load.buffer_bytes, num_buffers=load.buffers, timeout=load.timeout
     )
@@ -183,6 +185,7 @@ async def run_mode(
                     commits.append(stats.last_commit)
                     swaps.append(stats.last_swap)
                     swap_waits.append(stats.last_wait)
+                    swap_cpu.append(stats.last_swap_cpu)
                 await anyio.sleep(GAP)
             stop.set()
         verified = all(torch.equal(engine[name], t) for name, t in trainer.items())
@@ -200,6 +203,7 @@ async def run_mode(
         "swap_wait_ms": _ms(swap_waits),
         "commit_less_wait_ms": _ms([c - w for c, w in zip(commits, swap_waits, strict=True)]),
         "swap_ms": _ms(swaps),
+        "swap_cpu_ms": _ms(swap_cpu),
         "requests": len(waits),
         "longest_request_wait_ms": max(waits, default=0.0) * 1e3,
         "bucket_apply_ms": _ms(sink.applies),
@@ -237,7 +241,7 @@ def describe(case: dict[str, Any]) -> str:
         f"send to live {case['send_to_live_ms']['median']:.1f} ms, commit step "
         f"{case['commit_step_ms']['median']:.2f} ms ({case['swap_wait_ms']['median']:.2f} "
         f"waiting for leases, {case['commit_less_wait_ms']['median']:.2f} not; swap "
-        f"{case['swap_ms']['median']:.2f}); "
+        f"{case['swap_ms']['median']:.2f}, {case['swap_cpu_ms']['median']:.2f} of CPU); "
         f"longest request wait {case['longest_request_wait_ms']:.1f} ms over "
         f"{case['requests']} requests (longest bucket apply "
         f"{case['bucket_apply_ms']['max']:.1f} ms); extra memory "

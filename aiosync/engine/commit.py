@@ -38,10 +38,12 @@ class SwapStats:
     """Seconds spent making versions live, as measured inside the receiver.
 
     ``last_wait``/``longest_wait``: waiting for read leases to be released; ``last_swap``:
-    the sink's commit (the swap itself); ``last_commit``: from the commit message's action
-    to the version being live and its acknowledgement handed to the channel (wait
-    included); ``last_live``: when the last version went live (``time.perf_counter()``);
-    ``committed``/``dropped``: versions made live / not made live at this step.
+    the sink's commit (the swap itself), and ``last_swap_cpu`` the CPU time the thread that
+    ran it spent (on a loaded machine the difference is time spent waiting for a core);
+    ``last_commit``: from the commit message's action to the version being live and its
+    acknowledgement handed to the channel (wait included); ``last_live``: when the last
+    version went live (``time.perf_counter()``); ``committed``/``dropped``: versions made
+    live / not made live at this step.
     """
 
     committed: int = 0
@@ -49,6 +51,7 @@ class SwapStats:
     last_wait: float = 0.0
     longest_wait: float = 0.0
     last_swap: float = 0.0
+    last_swap_cpu: float = 0.0
     last_commit: float = 0.0
     last_live: float = 0.0
 
@@ -107,11 +110,21 @@ class Swapper:
 
     async def _swap(self, version: int) -> None:
         """The sink's commit: on the loop when no byte moves, else in a worker thread."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         quick = getattr(self.sink, "commit_quickly", None)
-        if quick is None or not quick(version):
-            await anyio.to_thread.run_sync(self.sink.commit, version, limiter=self.limiter)
+        if quick is not None and quick(version):
+            self.stats.last_swap_cpu = time.thread_time() - cpu
+        else:
+            self.stats.last_swap_cpu = await anyio.to_thread.run_sync(
+                self._commit, version, limiter=self.limiter
+            )
         self.stats.last_swap = time.perf_counter() - started
+
+    def _commit(self, version: int) -> float:
+        """The sink's commit in a worker thread; returns the thread's CPU seconds."""
+        cpu = time.thread_time()
+        self.sink.commit(version)
+        return time.thread_time() - cpu
 
     async def _ack_now(self, machine: EngineSession, action: CommitSink, reply: SendReply) -> bool:
         """Acknowledge the commit before it goes live; False if there is no stream to ack."""
