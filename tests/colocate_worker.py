@@ -14,6 +14,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,6 +49,16 @@ def model(version: int, tensors: int = 6) -> dict[str, torch.Tensor]:
 def buckets(version: int, per_bucket: int) -> list[list[tuple[str, torch.Tensor]]]:
     pairs = list(model(version).items())
     return [pairs[i : i + per_bucket] for i in range(0, len(pairs), per_bucket)]
+
+
+def reading(
+    bucket_list: list[list[tuple[str, torch.Tensor]]], broken: dict[str, int] | None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The buckets, raising at bucket ``broken["at"]`` on rank ``broken["rank"]``."""
+    for seq, bucket in enumerate(bucket_list):
+        if broken is not None and broken["rank"] == dist.get_rank() and broken["at"] == seq:
+            raise TypeError("a DTensor redistribute failed on purpose")
+        yield bucket
 
 
 class FailingEngine(ColocatedReceiver):
@@ -124,7 +135,10 @@ def scenario(cmd: dict[str, Any]) -> dict[str, Any]:
 
             async def main(number: int = number, version: Any = version) -> Any:
                 return await send_colocated(
-                    bucket_iterator=iter(buckets(number, cmd.get("per_bucket", 2))),
+                    bucket_iterator=reading(
+                        buckets(number, cmd.get("per_bucket", 2)),
+                        cmd.get("broken") if number == 1 else None,
+                    ),
                     rollout_engines=engines,
                     worker_state=STATE,
                     weight_version=version,

@@ -193,6 +193,22 @@ def test_an_engine_failing_to_prepare_leaves_every_engine_on_its_version(world: 
         assert source["exact"] is True  # staged: still version 1, bit for bit
 
 
+def test_a_rank_whose_buckets_raise_fails_the_bucket_on_every_rank(world: World) -> None:
+    answers = world.run(counts=[2, 2], versions=[1, 2], broken={"rank": 3, "at": 1})
+    for answer in answers:
+        failed, recovered = answer["reports"]
+        assert "engine 1" in failed["error"]
+        assert "bucket 1" in failed["error"]
+        assert recovered["buckets"] == 3
+    assert (
+        "trainer rank 3: reading the next bucket raised TypeError"
+        in answers[2]["reports"][0]["error"]
+    )
+    for source in (answers[0], answers[2]):
+        assert source["exact"] is True
+        assert source["engine_version"] == 2
+
+
 def test_a_silent_engine_fails_its_bucket_and_releases_every_rank(world: World) -> None:
     budget = 2.0  # the engine call's share of it: 1.5 s
     answers = world.run(

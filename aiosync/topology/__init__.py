@@ -11,7 +11,13 @@
 
 from aiosync.topology.connect import connect_topology, disconnect_topology
 from aiosync.topology.engine import ColocatedReceiver
-from aiosync.topology.layout import EngineRange, Layout, derive_engine_gpu_offsets, plan_layout
+from aiosync.topology.layout import (
+    EngineRange,
+    Layout,
+    LayoutError,
+    derive_engine_gpu_offsets,
+    plan_layout,
+)
 from aiosync.topology.send import ColocatedReport, send_colocated
 
 __all__ = [
@@ -19,6 +25,7 @@ __all__ = [
     "ColocatedReport",
     "EngineRange",
     "Layout",
+    "LayoutError",
     "connect_topology",
     "derive_engine_gpu_offsets",
     "disconnect_topology",

@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from aiosync.core.errors import UsageError
-from aiosync.topology.layout import Layout, plan_layout
+from aiosync.topology.layout import Layout, LayoutError, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ def connect_topology(
     """Make (or keep) the Gloo groups of a colocated layout; every trainer rank calls it.
 
     ``engine_gpu_counts[i]`` GPUs for engine ``i`` starting at ``engine_gpu_offsets[i]``
-    (default: packed densely from rank 0). Raises ``ValueError`` for an empty or malformed
+    (default: packed densely from rank 0). Raises :class:`LayoutError` (a ``ValueError``)
+    for an empty or malformed
     layout (see :func:`~aiosync.topology.layout.plan_layout`) before touching any group, and
     :class:`UsageError` when torch.distributed is not initialised. The same layout as the
     cached one returns at once (no collective); a different one destroys every old group and
@@ -102,9 +103,9 @@ def connect_topology(
     each collective on the new groups. Returns the checked layout.
     """
     if not engine_gpu_counts:
-        raise ValueError("engine_gpu_counts is empty: a colocated topology needs an engine")
+        raise LayoutError("engine_gpu_counts is empty: a colocated topology needs an engine")
     if engine_gpu_offsets is not None and len(engine_gpu_offsets) != len(engine_gpu_counts):
-        raise ValueError(
+        raise LayoutError(
             f"engine_gpu_offsets has {len(engine_gpu_offsets)} entries but "
             f"engine_gpu_counts has {len(engine_gpu_counts)}"
         )

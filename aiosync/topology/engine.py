@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations
@@ -56,7 +56,7 @@ class ColocatedReceiver:
         self, sinks: Sequence[WeightSink], *, name: str = "engine", limits: Limits | None = None
     ) -> None:
         if not sinks:
-            raise ValueError("a colocated receiver needs at least one sink")
+            raise UsageError("a colocated receiver needs at least one sink")
         self.name = name
         self._sinks = list(sinks)
         self._limits = limits or Limits()

@@ -14,7 +14,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aiosync.core.errors import ProtocolError
+from aiosync.core.errors import AiosyncError, PeerGoneError, ProtocolError, SyncTimeoutError
+
+
+def collective_error(exc: RuntimeError, what: str, ranks: list[int]) -> AiosyncError:
+    """A failed Gloo collective as an aiosync error naming the ranks it spanned.
+
+    Gloo reports a wait past the group's timeout and a peer that closed its connection
+    (it exited or was killed) both as ``RuntimeError``; the text tells them apart.
+    """
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return SyncTimeoutError(f"{what} over ranks {ranks} timed out: {text}")
+    return PeerGoneError(f"{what} over ranks {ranks} failed: {text}")
 
 
 def gather_bytes(payload: bytes, *, group: Any, dst: int, max_bytes: int) -> list[bytes] | None:
@@ -22,13 +34,17 @@ def gather_bytes(payload: bytes, *, group: Any, dst: int, max_bytes: int) -> lis
 
     Returns the list on ``dst`` and None elsewhere. Every member sees all lengths, so a
     length over ``max_bytes`` raises :class:`ProtocolError` naming the rank on every member
-    alike (none is left waiting in the second collective).
+    alike (none is left waiting in the second collective). A collective that fails raises
+    :func:`collective_error`'s error.
     """
     size = dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group)
     mine = torch.tensor([len(payload)], dtype=torch.int64)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(lengths, mine, group=group)
+    try:
+        dist.all_gather(lengths, mine, group=group)
+    except RuntimeError as exc:
+        raise collective_error(exc, "exchanging description lengths", ranks) from exc
     sizes = [int(t.item()) for t in lengths]
     for rank, length in zip(ranks, sizes, strict=True):
         if not 0 <= length <= max_bytes:
@@ -39,11 +55,14 @@ def gather_bytes(payload: bytes, *, group: Any, dst: int, max_bytes: int) -> lis
     padded = torch.zeros(width, dtype=torch.uint8)
     if payload:
         padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    if dist.get_rank() != dst:
-        dist.gather(padded, None, dst=dst, group=group)
-        return None
     out = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
-    dist.gather(padded, out, dst=dst, group=group)
+    mine_is_dst = dist.get_rank() == dst
+    try:
+        dist.gather(padded, out if mine_is_dst else None, dst=dst, group=group)
+    except RuntimeError as exc:
+        raise collective_error(exc, f"gathering descriptions to rank {dst}", ranks) from exc
+    if not mine_is_dst:
+        return None
     return [t[:length].numpy().tobytes() for t, length in zip(out, sizes, strict=True)]
 
 
@@ -54,5 +73,9 @@ def agree_on_failures(failed: list[bool], *, group: Any) -> list[bool]:
     failed this bucket. This is also the point where all the covered ranks meet.
     """
     flags = torch.tensor([1 if f else 0 for f in failed], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:
+        ranks = dist.get_process_group_ranks(group)
+        raise collective_error(exc, "agreeing on the bucket's outcome", ranks) from exc
     return [bool(v) for v in flags.tolist()]

@@ -12,12 +12,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from aiosync.core.errors import AiosyncError
+
+
+class LayoutError(AiosyncError, ValueError):
+    """A colocated layout that cannot be built (a ``ValueError``, as NeMo-RL raises)."""
+
 
 def derive_engine_gpu_offsets(engine_gpu_counts: Sequence[int]) -> list[int]:
     """Offsets of a dense layout: engine ``i`` starts where engine ``i - 1`` ends.
 
-    ``[2, 2] -> [0, 2]``, ``[1, 3] -> [0, 1]``, ``[] -> []``. Raises ``ValueError`` for a
-    count that is not a positive integer.
+    ``[2, 2] -> [0, 2]``, ``[1, 3] -> [0, 1]``, ``[] -> []``. Raises :class:`LayoutError`
+    (a ``ValueError``) for a count that is not a positive integer.
     """
     offsets: list[int] = []
     start = 0
@@ -30,7 +36,7 @@ def derive_engine_gpu_offsets(engine_gpu_counts: Sequence[int]) -> list[int]:
 
 def _check_count(index: int, count: object) -> None:
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-        raise ValueError(f"engine {index}: GPU count must be a positive integer, got {count!r}")
+        raise LayoutError(f"engine {index}: GPU count must be a positive integer, got {count!r}")
 
 
 @dataclass(frozen=True)
@@ -98,22 +104,23 @@ def plan_layout(
 ) -> Layout:
     """Check a layout and describe it; ``engine_gpu_offsets=None`` means the dense layout.
 
-    Raises ``ValueError`` when the counts are empty, a count is not a positive integer, the
-    two lists differ in length, an offset is negative, an engine reaches past the last rank,
-    or two engines share a rank. Ranks may be left uncovered (placeholders).
+    Raises :class:`LayoutError` (a ``ValueError``) when the counts are empty, a count is not
+    a positive integer, the two lists differ in length, an offset is negative, an engine
+    reaches past the last rank, or two engines share a rank. Ranks may be left uncovered
+    (placeholders).
     """
     counts = list(engine_gpu_counts)
     if not counts:
-        raise ValueError("engine_gpu_counts is empty: a colocated topology needs an engine")
+        raise LayoutError("engine_gpu_counts is empty: a colocated topology needs an engine")
     if world_size <= 0:
-        raise ValueError(f"world size must be positive, got {world_size}")
+        raise LayoutError(f"world size must be positive, got {world_size}")
     offsets = (
         derive_engine_gpu_offsets(counts)
         if engine_gpu_offsets is None
         else list(engine_gpu_offsets)
     )
     if len(offsets) != len(counts):
-        raise ValueError(
+        raise LayoutError(
             f"engine_gpu_offsets has {len(offsets)} entries but engine_gpu_counts has {len(counts)}"
         )
     engines: list[EngineRange] = []
@@ -121,17 +128,17 @@ def plan_layout(
     for index, (count, offset) in enumerate(zip(counts, offsets, strict=True)):
         _check_count(index, count)
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(
+            raise LayoutError(
                 f"engine {index}: offset must be a non-negative integer, got {offset!r}"
             )
         if offset + count > world_size:
-            raise ValueError(
+            raise LayoutError(
                 f"engine {index} spans ranks {offset}..{offset + count - 1} but the trainer "
                 f"world has {world_size} ranks"
             )
         for rank in range(offset, offset + count):
             if rank in owner:
-                raise ValueError(f"engines {owner[rank]} and {index} both cover rank {rank}")
+                raise LayoutError(f"engines {owner[rank]} and {index} both cover rank {rank}")
             owner[rank] = index
         engines.append(EngineRange(index, offset, count))
     return Layout(world_size, tuple(engines))

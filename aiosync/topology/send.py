@@ -46,6 +46,7 @@ from aiosync.handles.ray_actor import is_ray_actor
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.topology.connect import default_timeout
 from aiosync.topology.gather import agree_on_failures, gather_bytes
+from aiosync.topology.layout import LayoutError
 from aiosync.topology.parts import (
     FORMAT,
     MAX_PART_BYTES,
@@ -164,8 +165,12 @@ class _Packer:
             self._plane = None
 
 
-def _next(iterator: Any) -> Bucket | None:
-    return next(iterator, None)
+def _next(iterator: Any) -> Bucket | str | None:
+    """The next bucket, None at the end, or the text of what reading it raised."""
+    try:
+        return next(iterator, None)  # type: ignore[no-any-return]
+    except Exception as exc:  # the others must hear of it, not wait in a collective
+        return f"reading the next bucket raised {type(exc).__name__}: {exc}"
 
 
 class _RankSync:
@@ -290,7 +295,7 @@ async def send_colocated(
     if index is None:
         return ColocatedReport(rank, None, False, 0, 0, 0.0)
     if len(rollout_engines) != len(worker_state["_ipc_layout"].engines):
-        raise ValueError(
+        raise LayoutError(
             f"{len(rollout_engines)} rollout engines for a layout of "
             f"{len(worker_state['_ipc_layout'].engines)}"
         )
@@ -306,6 +311,9 @@ async def send_colocated(
     seq = sent = 0
     try:
         while (bucket := await _in_thread(state.device, _next, iterator)) is not None:
+            if isinstance(bucket, str):  # every rank fails this bucket, named by this one
+                await state.exchange(RankPart(rank, index, seq, error=bucket))
+                raise UsageError(f"trainer rank {rank}: {bucket}")  # not reached: it raised
             part = await _in_thread(state.device, packer.pack, seq, bucket)
             sent += part.used
             del bucket  # the trainer's references go before the next bucket is read
