@@ -116,11 +116,14 @@ class GroupExecutor:
             self._started = True
             self._thread.start()
 
-    def close(self) -> None:
-        """Stop the thread and release the group (blocking, bounded by ``join_timeout``).
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the thread and release the group (idempotent).
 
-        Idempotent. The group is destroyed in its own thread after the jobs queued before;
-        a broken NCCL group is aborted first, so that a blocked collective returns.
+        The group is destroyed in its own thread after the jobs queued before; a broken
+        NCCL group is aborted first, so that a blocked collective returns. ``wait``: block
+        until the thread ended (at most ``join_timeout``); without it, return at once (from
+        an event loop) and let the thread end by itself (a blocked Gloo collective ends at
+        its deadline).
         """
         if self._closed:
             return
@@ -132,6 +135,8 @@ class GroupExecutor:
             self._abort_group()  # NCCL: the blocked collective returns now
         self._put(self._release_group)  # Gloo: after the blocked collective timed out
         self._put(None)
+        if not wait:
+            return
         self._thread.join(self.join_timeout)
         if self._thread.is_alive():
             log.warning(
@@ -273,7 +278,7 @@ class GroupExecutor:
         if item is not None:
             job = (concurrent.futures.Future(), item)
         try:
-            self._jobs.put(job, timeout=self.join_timeout)
+            self._jobs.put_nowait(job)
         except queue.Full:
             log.warning("group %s: job queue full while closing", self.name)
 

@@ -64,17 +64,18 @@ class HostedStore:
     """A TCPStore server this process owns, listening on one address only.
 
     ``store`` is the server's own client; ``host`` and ``port`` are what peers connect to.
-    Close it (or use ``with``) once every rank has joined and the group is done.
+    The store owns the listening socket: torch closes it with the server, once this object,
+    the store and every group made from it are gone.
     """
 
     def __init__(self, host: str = LOOPBACK, *, timeout: timedelta) -> None:
         family = socket.AF_INET6 if ":" in valid_host(host) else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        listening = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._socket.bind((host, 0))
-            self._socket.listen(128)
+            listening.bind((host, 0))
+            listening.listen(128)
             self.host = host
-            self.port: int = self._socket.getsockname()[1]
+            self.port: int = listening.getsockname()[1]
             self.store = TCPStore(
                 host,
                 self.port,
@@ -82,15 +83,18 @@ class HostedStore:
                 True,
                 timeout=timeout,
                 wait_for_workers=False,
-                master_listen_fd=self._socket.fileno(),
+                master_listen_fd=listening.fileno(),
             )
         except BaseException:
-            self._socket.close()
+            listening.close()
             raise
+        listening.detach()  # the store's server owns the descriptor now
 
     def close(self) -> None:
-        """Stop listening (idempotent); clients already connected may keep their data."""
-        self._socket.close()
+        """Nothing to release here: the server stops once no store or group refers to it.
+
+        (It owns its socket; closing the descriptor under it would be a double close.)
+        """
 
     def __enter__(self) -> HostedStore:
         return self

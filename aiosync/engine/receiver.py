@@ -49,7 +49,7 @@ from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.leases import LeaseGate
 from aiosync.engine.sinks import WeightSink
 from aiosync.engine.triage import apply_error, walks_tensors
-from aiosync.planes import ReceiverPlane, open_receiver_plane
+from aiosync.planes import ReceiverPlane, open_receiver_plane, view_bucket
 from aiosync.planes.cuda_order import ordered_apply, with_plane_events
 from aiosync.runtime import require_asyncio
 
@@ -378,7 +378,8 @@ class WeightReceiver:
         A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
         """
         with ordered_apply(plane, action.buffer):
-            self.sink.apply_bucket(plane.view(action.buffer, action.used), action.specs)
+            bucket = view_bucket(plane, action.buffer, action.used, action.specs)
+            self.sink.apply_bucket(bucket, action.specs)
 
     async def _committed_hook(self, version: int) -> None:
         log.info("committed version %d", version)

@@ -1,4 +1,4 @@
-"""Data planes: shared memory (CPU) and CUDA IPC (GPU) now; see :mod:`aiosync.planes.base`.
+"""Data planes: shared memory, CUDA IPC, collectives; see :mod:`aiosync.planes.base`.
 
 Implementations are imported only when a plane of their kind is made, so a process that
 never touches CUDA or shared memory never loads their modules.
@@ -6,11 +6,55 @@ never touches CUDA or shared memory never loads their modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
+from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
-from aiosync.core.wire import CudaIpcPlaneSpec, CudaLegacyPlaneSpec, PlaneSpec, ShmPlaneSpec
+from aiosync.core.wire import (
+    CollectivePlaneSpec,
+    CudaIpcPlaneSpec,
+    CudaLegacyPlaneSpec,
+    PlaneSpec,
+    ShmPlaneSpec,
+)
 from aiosync.planes.base import ReceiverPlane, SenderPlane
+
+PlaneMaker = Callable[[torch.device, int, int], SenderPlane]
+"""Builds a sender's plane from its device, buffer count and buffer bytes."""
+
+_maker: ContextVar[PlaneMaker | None] = ContextVar("aiosync_plane_maker", default=None)
+
+
+@contextmanager
+def making_planes(maker: PlaneMaker) -> Iterator[None]:
+    """Within this block, :func:`create_sender_plane` builds planes with ``maker``.
+
+    How a sender of another plane (``aiosync.trainer.collective.CollectiveSender``) picks
+    its plane without a new argument on ``WeightSender``.
+    """
+    token = _maker.set(maker)
+    try:
+        yield
+    finally:
+        _maker.reset(token)
+
+
+def view_bucket(
+    plane: ReceiverPlane, index: int, used: int, specs: list[TensorSpec]
+) -> torch.Tensor:
+    """A bucket's bytes through :meth:`ReceiverPlane.view`.
+
+    A plane that wants the bucket's checked specs first (a per-tensor collective plane,
+    which receives each tensor into its slot) gets them through its ``expect``.
+    """
+    expect = getattr(plane, "expect", None)
+    if expect is not None:
+        expect(index, specs)
+    return plane.view(index, used)
 
 
 def create_sender_plane(
@@ -23,6 +67,9 @@ def create_sender_plane(
     :mod:`aiosync.planes.cuda_legacy`); otherwise :meth:`SenderPlane.pack` returns with the
     bytes in place.
     """
+    maker = _maker.get()
+    if maker is not None:
+        return maker(device, count, capacity)
     if device.type == "cuda" and ordered:
         from aiosync.planes.cuda_legacy import CudaLegacySenderPlane
 
@@ -61,7 +108,19 @@ def open_receiver_plane(
         from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
 
         return CudaLegacyReceiverPlane(spec, device)
+    if isinstance(spec, CollectivePlaneSpec):
+        from aiosync.planes.collective import CollectiveReceiverPlane
+
+        return CollectiveReceiverPlane(spec, device, limits)
     raise ValueError(f"unknown data plane {type(spec).__name__}")
 
 
-__all__ = ["ReceiverPlane", "SenderPlane", "create_sender_plane", "open_receiver_plane"]
+__all__ = [
+    "PlaneMaker",
+    "ReceiverPlane",
+    "SenderPlane",
+    "create_sender_plane",
+    "making_planes",
+    "open_receiver_plane",
+    "view_bucket",
+]
