@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
-from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations
 from aiosync.core.wire import CudaIpcHandle, CudaIpcPlaneSpec, ShmHandle, ShmPlaneSpec
@@ -67,6 +67,11 @@ class ColocatedReceiver:
         self._prepared: int | None = None
         self._touched = False  # an in-place sink holds bytes of an uncommitted version
         self._lock = threading.Lock()
+        self._pool = (
+            ThreadPoolExecutor(len(self._sinks), thread_name_prefix=f"aiosync-{name}")
+            if len(self._sinks) > 1
+            else None
+        )
         self.current_version: int | None = None
         """The version last made current (None before the first)."""
         self.failures: list[str] = []
@@ -84,7 +89,7 @@ class ColocatedReceiver:
             return WeightSyncResult(False, f"{self.name}: another update is in progress")
         try:
             return self._update(serialized_named_tensors, load_format, weight_version)
-        except (AiosyncError, ValueError) as exc:
+        except Exception as exc:  # a peer's fault or the sink's: an answer, never a raise
             text = f"{self.name}: {exc}"
             self.failures.append(text)
             del self.failures[: -self._limits.max_failures]
@@ -121,8 +126,15 @@ class ColocatedReceiver:
             return self._prepare(version)
         if self._prepared is not None:
             raise ProtocolError(f"a bucket after version {self._prepared} was prepared")
-        for index, part in enumerate(parts):
-            self._apply(index, part)
+        for index, part in enumerate(parts):  # every part checked before any byte moves
+            self._check(index, part)
+        if self._pool is None:
+            self._apply(0, parts[0])
+        else:  # one thread per GPU, as an engine's tensor-parallel workers would apply
+            futures = [self._pool.submit(self._apply, i, part) for i, part in enumerate(parts)]
+            wait(futures)  # all of them, so none still writes when a failure aborts the sinks
+            for future in futures:
+                future.result()
         self._seq += 1
         return WeightSyncResult(True, f"{self.name}: bucket {self._seq - 1} of version {version}")
 
@@ -157,9 +169,15 @@ class ColocatedReceiver:
         self._opened[index] = _Opened(handle, plane)
         return plane
 
-    def _check(self, index: int, specs: list[TensorSpec]) -> None:
+    def _check(self, index: int, part: RankPart) -> None:
+        if part.used > self._limits.max_session_bytes:
+            raise ProtocolError(
+                f"rank {part.rank}: a bucket of {part.used} bytes is over the limit"
+            )
+        if len(part.specs) > self._limits.max_bucket_tensors:
+            raise ProtocolError(f"rank {part.rank}: {len(part.specs)} tensors in one bucket")
         expectations = self._expectations[index]
-        for spec in specs:
+        for spec in part.specs:
             if expectations is not None:
                 expectations.check(spec)
                 if not spec.is_whole:
@@ -168,11 +186,6 @@ class ColocatedReceiver:
                 self._covered[index].add(spec.name)
 
     def _apply(self, index: int, part: RankPart) -> None:
-        if part.used > self._limits.max_session_bytes:
-            raise ProtocolError(
-                f"rank {part.rank}: a bucket of {part.used} bytes is over the limit"
-            )
-        self._check(index, part.specs)
         plane = self._plane(index, part)
         if not self._sinks[index].staged:
             self._touched = True
@@ -230,3 +243,6 @@ class ColocatedReceiver:
         """Close every buffer still open and forget a version in progress (idempotent)."""
         with self._lock:
             self._abort()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
