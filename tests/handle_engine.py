@@ -6,7 +6,7 @@ and prints JSON lines: ``ready`` (with the endpoint), ``applying`` (rank, names)
 each bucket is applied, ``committed`` (rank, version, per-tensor digests) after each
 commit, ``answered`` (success, message) after each bucket. ``--hang-in-apply`` blocks the
 first apply (a stuck engine, for the test to kill or freeze). It exits when its stdin
-closes.
+closes. ``--device cuda:N`` holds the weights on that GPU (then use NCCL).
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def emit(event: str, **fields: object) -> None:
 class ReportingSink(ModuleSink):
     """A staged module sink that reports each bucket and commit (with digests)."""
 
-    def __init__(self, rank: int, hang: bool) -> None:
+    def __init__(self, rank: int, hang: bool, device: str = "cpu") -> None:
         self.model = {
-            name: torch.zeros(t.shape, dtype=t.dtype) for name, t in mixed_weights().items()
+            name: torch.zeros(t.shape, dtype=t.dtype, device=device)
+            for name, t in mixed_weights().items()
         }
         super().__init__(self.model, staged=True)
         self.rank = rank
@@ -77,8 +78,9 @@ def main() -> None:
     parser.add_argument("--name", default="engine")
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--hang-in-apply", action="store_true")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    sinks = [ReportingSink(rank, args.hang_in_apply) for rank in range(args.ranks)]
+    sinks = [ReportingSink(rank, args.hang_in_apply, args.device) for rank in range(args.ranks)]
     engine = ReportingEngine(sinks, name=args.name, timeout=args.timeout)
 
     async def serve() -> None:

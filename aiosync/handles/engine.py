@@ -195,7 +195,9 @@ class AiosyncEngine:
             GroupExecutor(f"{group_name}/rank{rank}", join_timeout=self.timeout) for rank in ranks
         ]
 
-        def join(rank: int) -> dist.ProcessGroup:
+        def join(rank: int, device: torch.device) -> dist.ProcessGroup:
+            if device.type == "cuda":  # NCCL binds the communicator to this thread's device
+                torch.cuda.set_device(device)
             client = connect_store(host, port, timeout=limit)
             store = client if token is None else token_store(client, token)
             alias = rank_alias(group_name, rank)  # ranks of one process need names of their own
@@ -212,8 +214,8 @@ class AiosyncEngine:
             for ex in executors:
                 ex.start()
             futures = [
-                ex.submit(functools.partial(join, rank))
-                for ex, rank in zip(executors, ranks, strict=True)
+                ex.submit(functools.partial(join, rank, sink.device))
+                for ex, rank, sink in zip(executors, ranks, self._sinks, strict=True)
             ]
             for ex, future in zip(executors, futures, strict=True):
                 ex.group = ex.result(

@@ -207,18 +207,26 @@ def _send_bucket(
     used: int,
     flattened: bool,
 ) -> None:
-    """Rank 0's broadcasts of one bucket (on the group's executor thread)."""
+    """Rank 0's broadcasts of one bucket (on the group's executor thread).
+
+    On CUDA it waits for the broadcasts to finish on the device, so the deadline covers them
+    and the tensors may be freed afterwards.
+    """
+    device = tensors[0].device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if flattened:
-        if not used:
-            return
-        device = tensors[0].device
-        buffer = torch.empty(used, dtype=torch.uint8, device=device)
-        pack_bucket(buffer, BucketPlan(tensors, specs, used))
-        dist.broadcast(buffer, src=0, group=group)
-        return
-    for tensor, spec in zip(tensors, specs, strict=True):
-        if spec.nbytes:
-            dist.broadcast(tensor.resolve_conj().resolve_neg().contiguous(), src=0, group=group)
+        if used:
+            buffer = torch.empty(used, dtype=torch.uint8, device=device)
+            pack_bucket(buffer, BucketPlan(tensors, specs, used))
+            dist.broadcast(buffer, src=0, group=group)
+    else:
+        for tensor, spec in zip(tensors, specs, strict=True):
+            if spec.nbytes:
+                plain = tensor.resolve_conj().resolve_neg().contiguous()
+                dist.broadcast(plain, src=0, group=group)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 async def broadcast_bucket(
