@@ -127,6 +127,7 @@ class ModuleSink:
         self._staging = Staging(self.targets, swap) if staged else None
         # name -> (address, flat bytes if plain, whether plain on the CPU)
         self._bytes: dict[str, tuple[int, torch.Tensor | None, bool]] = {}
+        self._views = False  # whether any entry of _bytes holds a view
         self._rename = rename_function(rename)
         self._cast = cast
         self._dtypes = {n: dtype_name(t.dtype) for n, t in self.targets.items()} if cast else {}
@@ -205,6 +206,7 @@ class ModuleSink:
             view = tensor_bytes(dst.detach()) if plain and not by_address else None
             cached = (address, view, by_address)
             self._bytes[key] = cached
+            self._views = self._views or view is not None
         return dst, address, cached[1], cached[2]
 
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
@@ -262,8 +264,9 @@ class ModuleSink:
         return True
 
     def _committed(self, moved: Iterable[str]) -> None:
-        for key in moved:  # its shadow is now another storage: drop the cached view
-            self._bytes.pop(key, None)
+        if self._views:  # a moved key's shadow is another storage now: drop its cached view
+            for key in moved:
+                self._bytes.pop(key, None)
         self._writer.clear()
 
     def abort(self) -> None:
