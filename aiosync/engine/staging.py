@@ -18,7 +18,7 @@ one), and makes them live at commit in one of two ways:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -71,10 +71,10 @@ class Staging:
                 group.append(tensor)
         self.shadow: dict[str, torch.Tensor] = {}
         self.pending: set[str] = set()
-        # pointer swap: the storage made live last (its StorageImpl, alive while the tensor
-        # beside it holds it) and that tensor (the next shadow); while the live tensor still
-        # has that storage, its layout is known
-        self._placed: dict[str, tuple[int, torch.Tensor]] = {}
+        # pointer swap, per key: the live StorageImpl this sink placed (kept alive by the
+        # standby tensor beside it, which becomes the next shadow) and the shadow's
+        # StorageImpl; while the live tensor still has that storage, its layout is known
+        self._placed: dict[str, list[Any]] = {}  # [live StorageImpl, standby, shadow's]
 
     def write(self, name: str) -> tuple[str, torch.Tensor]:
         """The key and shadow that ``name`` is written into this version (made if missing)."""
@@ -114,31 +114,32 @@ class Staging:
         for key in missing:
             self._shadow(key)
 
-    def _movable(self, key: str) -> torch.Tensor | None:
-        """A tensor holding ``key``'s live storage if that storage may move, else None.
+    def _movable(self, key: str) -> bool:
+        """Whether ``key``'s live storage may move: exactly its tensor, held by its names only.
 
-        It may move when it is exactly its tensor and held by its names only. Once this sink
-        made a storage live, its layout is known (a shadow it allocated) and only the holders
-        are counted: a few calls into torch per tensor.
+        Once this sink made a storage live, its layout is known (a shadow it allocated) and
+        only the holders are counted: a few calls into torch per tensor.
         """
         group = self.members[key]
         live = group[0]
         placed = self._placed.get(key)
-        if placed is not None and _USE_COUNT is not None:
-            storage = live.untyped_storage()
-            if placed[0] == storage._cdata:  # the storage this sink made live
-                ok = _USE_COUNT(placed[0]) - 1 <= len(group) + 1  # + our standby
-                return placed[1] if ok else None
+        # the storage this sink made live: count its holders (+ 1, our standby)
+        if placed is not None and placed[0] == live.untyped_storage()._cdata:
+            return bool(_USE_COUNT(placed[0]) - 1 <= len(group) + 1)  # type: ignore[misc]
         shadow = self.shadow[key]
         if live.is_meta or live.storage_offset() != 0:
-            return None
+            return False
         if not (live.is_contiguous() and shadow.is_contiguous()):
-            return None
+            return False
         storage = live.untyped_storage()
         if storage.nbytes() != live.nbytes or live.nbytes == 0:
-            return None
+            return False
         holders = _holders(storage)
-        return live.data if holders is not None and holders <= len(group) else None
+        if holders is None or holders > len(group):
+            return False
+        # from now on: [the live storage, a tensor holding it, the shadow's storage]
+        self._placed[key] = [storage._cdata, live.data, shadow.untyped_storage()._cdata]
+        return True
 
     def commit(self, *, pointers_only: bool = False) -> list[str] | None:
         """Make every shadow written since the last commit live; returns the keys that moved.
@@ -147,28 +148,27 @@ class Staging:
         ``pointers_only``: do nothing and return None unless every written shadow can go
         live by pointer (the receiver then commits on its event loop: no bytes move).
         """
-        moves: list[tuple[str, torch.Tensor]] = []
+        moves: list[str] = []
         copies: list[str] = []
         pointer = self.swap == "pointer"
         for key in self.pending:
-            standby = self._movable(key) if pointer else None
-            if standby is not None:
-                moves.append((key, standby))
+            if pointer and self._movable(key):
+                moves.append(key)
             elif pointers_only:
                 return None
             else:
                 copies.append(key)
-        shadows, placed = self.shadow, self._placed
-        for key, standby in moves:  # the shadow's storage becomes the live one; and back
-            shadow = shadows[key]
-            for tensor in self.members[key]:
+        shadows, placed, members = self.shadow, self._placed, self.members
+        for key in moves:  # the shadow's storage becomes the live one; and back
+            shadow, slot = shadows[key], placed[key]
+            for tensor in members[key]:
                 tensor.data = shadow
-            shadows[key] = standby
-            placed[key] = (shadow.untyped_storage()._cdata, shadow)
+            shadows[key] = slot[1]
+            slot[0], slot[1], slot[2] = slot[2], shadow, slot[0]
         for key in copies:
             self.members[key][0].data.copy_(shadows[key], non_blocking=True)
         self.pending.clear()
-        return [key for key, _ in moves]
+        return moves
 
     def abort(self) -> None:
         """Forget what was written since the last commit (nothing live was touched)."""
