@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))
     model = {
         name: torch.zeros(t.shape, dtype=t.dtype, device=args.device)
         for name, t in mixed_weights().items()

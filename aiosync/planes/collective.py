@@ -46,7 +46,7 @@ from aiosync.collectives.rendezvous import (
     token_store,
     valid_host,
 )
-from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
+from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
 from aiosync.core.layout import BucketPlan, TensorSpec, is_plain, pack_bucket, tensor_bytes
 from aiosync.core.limits import Limits
 from aiosync.core.wire import CollectivePlaneSpec
@@ -199,7 +199,14 @@ class CollectiveSenderPlane:
                 self._executor.result(future, deadline=Deadline.after(1), what="broadcast")
 
     def close(self) -> None:
-        """Leave the group (aborting an NCCL group that failed) and stop the store."""
+        """Leave the group and stop the store; never waits for a broadcast.
+
+        A broadcast still in flight (an engine that never joined it) breaks the group
+        first, so an NCCL communicator is aborted and no kernel is left waiting.
+        """
+        if any(not future.done() for future in [self._joined, *self._inflight.values()]):
+            error = SyncTimeoutError(f"group {self._name} closed with a broadcast in flight")
+            self._executor.fail(error)
         self._executor.close(wait=False)
         self._hosted.close()
         self._buffers.clear()
