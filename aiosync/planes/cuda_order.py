@@ -38,7 +38,8 @@ def ordered_apply(plane: Any, index: int) -> Iterator[None]:
         return
     _local.deferred = True
     try:
-        yield
+        with plane.applying(index):
+            yield
     finally:
         _local.deferred = False
         applied(index)  # also after a failure: the trainer must not wait for ever
