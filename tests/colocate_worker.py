@@ -143,6 +143,7 @@ def scenario(cmd: dict[str, Any]) -> dict[str, Any]:
                     worker_state=STATE,
                     weight_version=version,
                     timeout=cmd.get("timeout"),
+                    overlap=cmd.get("overlap", True),
                 )
 
             began = time.monotonic()

@@ -90,8 +90,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         started.close()
 
 
-def test_dense_two_by_two_is_bit_exact_and_engines_number_versions(world: World) -> None:
-    answers = world.run(counts=[2, 2], versions=[None, None])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "one-bucket-at-a-time"])
+def test_dense_two_by_two_is_bit_exact_and_engines_number_versions(
+    world: World, overlap: bool
+) -> None:
+    answers = world.run(counts=[2, 2], versions=[None, None], overlap=overlap)
     assert [a["engine"] for a in answers] == [0, 0, 1, 1]
     assert [a["src"] for a in answers] == [0, 0, 2, 2]
     for answer in answers:

@@ -32,6 +32,9 @@ from aiosync.topology.parts import FORMAT, RankPart, decode_part
 
 log = logging.getLogger(__name__)
 
+OPEN_PER_GPU = 2
+"""Buffers of one trainer rank kept open during a version (its packing ring)."""
+
 
 class _Opened:
     """One GPU's open buffer: the handle it was opened from and the plane holding it."""
@@ -61,7 +64,7 @@ class ColocatedReceiver:
         self._sinks = list(sinks)
         self._limits = limits or Limits()
         self._expectations: list[Expectations | None] = [s.expectations() for s in self._sinks]
-        self._opened: dict[int, _Opened] = {}
+        self._opened: dict[int, list[_Opened]] = {}  # per GPU, newest last
         self._covered: list[set[str]] = [set() for _ in self._sinks]
         self._seq = 0
         self._prepared: int | None = None
@@ -152,21 +155,25 @@ class ColocatedReceiver:
             raise ProtocolError(f"weight_version {weight_version!r} is not an integer") from None
 
     def _plane(self, index: int, part: RankPart) -> ReceiverPlane:
+        """The open buffer ``part`` names, kept open for the version.
+
+        At most :data:`OPEN_PER_GPU` per GPU (a trainer packs the next bucket into a second).
+        """
         handle = part.buffer
         if handle is None:
             raise ProtocolError(f"rank {part.rank} names no buffer for bucket {part.seq}")
-        opened = self._opened.get(index)
-        if opened is not None and opened.handle == handle:
-            return opened.plane
-        if opened is not None:
-            del self._opened[index]
-            opened.plane.close()
+        opened = self._opened.setdefault(index, [])
+        for held in opened:
+            if held.handle == handle:
+                return held.plane
+        while len(opened) >= OPEN_PER_GPU:  # the oldest is one the trainer replaced
+            opened.pop(0).plane.close()
         sink = self._sinks[index]
         spec = (
             ShmPlaneSpec([handle]) if isinstance(handle, ShmHandle) else CudaIpcPlaneSpec([handle])
         )
         plane = open_receiver_plane(spec, sink.device, self._limits)
-        self._opened[index] = _Opened(handle, plane)
+        opened.append(_Opened(handle, plane))
         return plane
 
     def _check(self, index: int, part: RankPart) -> None:
@@ -225,7 +232,8 @@ class ColocatedReceiver:
 
     def _reset(self) -> None:
         for opened in self._opened.values():
-            opened.plane.close()
+            for held in opened:
+                held.plane.close()
         self._opened.clear()
         self._covered = [set() for _ in self._sinks]
         self._seq = 0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from aiosync.core.wire import CudaIpcPlaneSpec, ShmPlaneSpec
 from aiosync.handles import EngineHandle, ObjectHandle, as_engine_handle
 from aiosync.handles.ray_actor import is_ray_actor
 from aiosync.planes import SenderPlane, create_sender_plane
+from aiosync.runtime import unwrap_group
 from aiosync.topology.connect import default_timeout
 from aiosync.topology.gather import agree_on_failures, gather_bytes
 from aiosync.topology.layout import LayoutError
@@ -165,6 +166,27 @@ class _Packer:
             self._plane = None
 
 
+async def _overlapped(
+    exchange: Coroutine[Any, Any, None], following: Coroutine[Any, Any, RankPart | None]
+) -> RankPart | None:
+    """Run a bucket's exchange while the next bucket is read and packed; the next part.
+
+    An error of either is raised as itself (not as a group); the other is waited for.
+    """
+    out: list[RankPart | None] = []
+
+    async def keep() -> None:
+        out.append(await following)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keep)
+            await exchange
+    except BaseExceptionGroup as group:
+        raise unwrap_group(group) from None
+    return out[0]
+
+
 def _next(iterator: Any) -> Bucket | str | None:
     """The next bucket, None at the end, or the text of what reading it raised."""
     try:
@@ -272,6 +294,7 @@ async def send_colocated(
     worker_state: dict[str, Any],
     weight_version: int | str | None = None,
     timeout: float | None = None,
+    overlap: bool = True,
 ) -> ColocatedReport:
     """Hand every bucket to this rank's engine together with its colocated peers.
 
@@ -281,7 +304,9 @@ async def send_colocated(
     source rank resolves and calls its entry, at call time.
     ``weight_version`` is passed to the engines as given (as a string, as SGLang takes it);
     None lets each engine move to its next version. ``timeout`` only bounds the engine calls
-    (default: the ``AIOSYNC_TIMEOUT`` the groups were made with).
+    (default: the ``AIOSYNC_TIMEOUT`` the groups were made with). ``overlap`` (default)
+    reads and packs bucket k+1 into a second buffer while bucket k is handed over: faster,
+    at the cost of a second bucket and buffer in memory; ``overlap=False`` holds one.
 
     Raises :class:`RejectedError` on every covered rank, naming the engines, when any engine
     failed a bucket (the source rank's message carries the engine's own text);
@@ -306,23 +331,38 @@ async def send_colocated(
         version,
         timeout or worker_state.get("_ipc_timeout") or default_timeout(),
     )
-    packer = _Packer(rank, index)
+    packers = [_Packer(rank, index) for _ in range(2 if overlap else 1)]
     iterator = iter(bucket_iterator)
+
+    async def read_and_pack(seq: int) -> RankPart | None:
+        """Bucket ``seq`` packed and described; None at the end.
+
+        A part with ``error`` when reading it raised. The bucket's tensors are not
+        referenced once it returns.
+        """
+        bucket = await _in_thread(state.device, _next, iterator)
+        if bucket is None or isinstance(bucket, str):
+            return None if bucket is None else RankPart(rank, index, seq, error=bucket)
+        return await _in_thread(state.device, packers[seq % len(packers)].pack, seq, bucket)
+
     seq = sent = 0
     try:
-        while (bucket := await _in_thread(state.device, _next, iterator)) is not None:
-            if isinstance(bucket, str):  # every rank fails this bucket, named by this one
-                await state.exchange(RankPart(rank, index, seq, error=bucket))
-                raise UsageError(f"trainer rank {rank}: {bucket}")  # not reached: it raised
-            part = await _in_thread(state.device, packer.pack, seq, bucket)
+        part = await read_and_pack(0)
+        while part is not None:
             sent += part.used
-            del bucket  # the trainer's references go before the next bucket is read
-            await state.exchange(part)
+            if overlap and part.error is None:
+                part = await _overlapped(state.exchange(part), read_and_pack(seq + 1))
+            else:
+                await state.exchange(part)  # raises for a part carrying an error
+                if part.error is not None:
+                    raise UsageError(f"trainer rank {rank}: {part.error}")  # (not reached)
+                part = await read_and_pack(seq + 1)
             seq += 1
         if seq:  # every engine prepares, then (only if all did) every engine commits
             await state.exchange(RankPart(rank, index, seq, last=True))
             await state.exchange(RankPart(rank, index, seq + 1, last=True, commit=True))
     finally:
-        packer.close()
+        for packer in packers:
+            packer.close()
         await state.aclose()
     return ColocatedReport(rank, index, rank == state.src, seq, sent, time.perf_counter() - started)
