@@ -13,6 +13,7 @@ reference's builtin types and are aiosync errors too.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -24,6 +25,9 @@ from aiosync.runtime import run, unwrap_group
 from aiosync.topology import connect_topology, derive_engine_gpu_offsets, send_colocated
 
 T = TypeVar("T")
+
+OVERLAP_ENV = "AIOSYNC_COLOCATE_OVERLAP"
+"""``1``: read and pack bucket k+1 while bucket k is handed over (default ``0``)."""
 
 
 def _blocking(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -114,8 +118,12 @@ def send_hf_buckets_via_ipc_actor_impl(
     Placeholder ranks return at once and join no collective; non-source ranks call no
     engine. ``weight_version`` is passed to the engine as given; None lets it move to its
     next version. Raises ``RuntimeError`` (also an ``AiosyncError``) naming the engine when
-    any engine fails a bucket, on every covered rank.
+    any engine fails a bucket, on every covered rank. One bucket at a time, as the
+    reference; ``AIOSYNC_COLOCATE_OVERLAP=1`` packs the next bucket into a second buffer
+    while one is handed over (faster, one more bucket in memory).
     """
+
+    overlap = os.environ.get(OVERLAP_ENV, "0") == "1"
 
     async def main() -> None:
         await send_colocated(
@@ -123,6 +131,7 @@ def send_hf_buckets_via_ipc_actor_impl(
             rollout_engines=rollout_engines,
             worker_state=worker_state,
             weight_version=weight_version,
+            overlap=overlap,
         )
 
     try:
