@@ -41,7 +41,7 @@ from aiosync.core.layout import TensorSpec
 from aiosync.engine.config import AckAt
 from aiosync.engine.staging import Swap
 
-POLL = 0.0005  # seconds between looks at an in-place engine's stream (it has no lease gate)
+POLL = 0.002  # seconds between looks at an in-place engine's stream (it has no lease gate)
 GAP = 0.05  # seconds between versions: requests run with no sync in progress too
 
 
