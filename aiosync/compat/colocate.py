@@ -122,7 +122,6 @@ def send_hf_buckets_via_ipc_actor_impl(
     reference; ``AIOSYNC_COLOCATE_OVERLAP=1`` packs the next bucket into a second buffer
     while one is handed over (faster, one more bucket in memory).
     """
-
     overlap = os.environ.get(OVERLAP_ENV, "0") == "1"
 
     async def main() -> None:
