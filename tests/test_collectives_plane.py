@@ -164,13 +164,13 @@ def test_options_are_checked() -> None:
 
 
 @only_asyncio
-async def test_both_modes_are_bit_exact_and_a_new_group_reconnects() -> None:
-    with engines([], []) as pair:
+async def test_both_modes_fan_out_bit_exact_to_four_engines_with_a_new_group_each() -> None:
+    with engines([], [], [], []) as fleet:
         for version, per_tensor in ((0, False), (1, True), (2, False)):
-            async with sender(pair, per_tensor=per_tensor) as trainer:  # a new group each
+            async with sender(fleet, per_tensor=per_tensor) as trainer:  # a new group each
                 report = await trainer.send(mixed_weights(seed=version + 1), version=version)
-            assert sorted(report.committed) == sorted(e.endpoint for e in pair)
-            for engine in pair:
+            assert sorted(report.committed) == sorted(e.endpoint for e in fleet)
+            for engine in fleet:
                 committed = await engine.until("committed")
                 assert committed["version"] == version
                 assert committed["digests"] == digests(version + 1)
