@@ -97,7 +97,8 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
     ``host``:``port`` under the key prefix of ``token`` (so the token must only travel on
     an authenticated channel), takes the next free rank, and receives each bucket into
     one of ``count`` buffers of ``capacity`` bytes: one broadcast per bucket, or one per
-    tensor when ``per_tensor``. ``timeout_ms`` bounds each collective.
+    tensor when ``per_tensor``. ``timeout_ms`` bounds each collective. ``overlap`` (NCCL,
+    flattened): the engine copies a bucket out while it receives the next one.
     """
 
     backend: str
@@ -110,6 +111,7 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
     capacity: int
     per_tensor: bool = False
     timeout_ms: int = 60_000
+    overlap: bool = False
 
     @property
     def sizes(self) -> list[int]:
