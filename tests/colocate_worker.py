@@ -11,6 +11,7 @@ of their source rank: a :class:`~aiosync.topology.ColocatedReceiver` with one
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -82,11 +83,45 @@ class FailingEngine(ColocatedReceiver):
         return super().update_weights_from_tensor(*args, **kwargs)
 
 
-def make_engines(layout: Any, rank: int, fail: dict[str, Any] | None) -> list[Any]:
+class RayEngine(ColocatedReceiver):
+    """A colocated engine as a Ray actor (its sinks built inside the actor's process)."""
+
+    def __init__(self, gpus: int, name: str) -> None:
+        self.targets = [{k: torch.zeros_like(v) for k, v in model(0).items()} for _ in range(gpus)]
+        super().__init__([ModuleSink(t) for t in self.targets], name=name)
+
+    def state(self, good: int) -> tuple[int | None, bool]:
+        expected = model(good)
+        exact = all(all(torch.equal(t[k], v) for k, v in expected.items()) for t in self.targets)
+        return self.current_version, exact
+
+
+def ray_engine(count: int, name: str) -> Any:
+    """A local Ray instance (started once in this process) and an engine actor on it."""
+    import ray
+
+    if not ray.is_initialized():
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ray.init(
+            num_cpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": root}},
+            namespace="aiosync-topology-tests",
+        )
+    return ray.remote(RayEngine).options(num_cpus=0).remote(count, name)
+
+
+def make_engines(
+    layout: Any, rank: int, fail: dict[str, Any] | None, use_ray: bool = False
+) -> list[Any]:
     engines: list[Any] = []
     for engine in layout.engines:
         if engine.source != rank:
             engines.append(None)  # only the source resolves its engine's entry
+            continue
+        if use_ray:  # a raw Ray actor handle, as NeMo-RL passes rollout engines
+            engines.append(ray_engine(engine.count, f"ray-{engine.index}"))
             continue
         staged = bool(fail and fail.get("staged"))
         sinks = [
@@ -127,7 +162,7 @@ def scenario(cmd: dict[str, Any]) -> dict[str, Any]:
         "live_groups": len(dist.distributed_c10d._world.pg_map),
         "layout_key": json.loads(json.dumps(STATE["_ipc_layout_key"])),
     }
-    engines = make_engines(layout, rank, cmd.get("fail"))
+    engines = make_engines(layout, rank, cmd.get("fail"), bool(cmd.get("ray")))
     reports: list[dict[str, Any]] = []
     good = 0  # the model number of the last sync that went through
     try:
@@ -175,7 +210,13 @@ def scenario(cmd: dict[str, Any]) -> dict[str, Any]:
     out["reports"] = reports
     out["seconds"] = time.monotonic() - started
     mine = [e for e in engines if e is not None]
-    if mine:
+    if mine and cmd.get("ray"):
+        import ray
+
+        out["engine_version"], out["exact"] = ray.get(mine[0].state.remote(good), timeout=60)
+        ray.kill(mine[0])
+        ray.shutdown()  # the local instance goes with the scenario
+    elif mine:
         engine = mine[0]
         expected = model(good)
         out["engine_version"] = engine.current_version

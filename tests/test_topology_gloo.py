@@ -251,3 +251,12 @@ def test_nemo_rl_names_sync_and_raise_runtime_errors(world: World) -> None:
     for source in answers[:2]:
         assert source["exact"] is True
         assert source["engine_version"] == 3
+
+
+def test_raw_ray_actor_handles_as_nemo_rl_passes_them(world: World) -> None:
+    pytest.importorskip("ray")
+    answers = world.run(counts=[4], versions=[None, 8], ray=True)
+    for answer in answers:
+        assert answer["reports"] == [{"buckets": 3, "source": answer["rank"] == 0}] * 2
+    assert answers[0]["exact"] is True  # a Ray actor read the four ranks' memfds
+    assert answers[0]["engine_version"] == 8
