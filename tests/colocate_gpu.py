@@ -226,10 +226,13 @@ def drive(versions: int, bucket_mb: float) -> int:
             env=env,
         )
         procs.append(engine)
-        assert engine.stdout is not None
-        ready = json.loads(engine.stdout.readline() or "{}")
+        started: list[dict[str, Any]] = []
+        threading.Thread(target=_lines, args=(engine, started, "engine"), daemon=True).start()
+        while not started and engine.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling a child's first line, bounded by the run's deadline
+        ready = started[0] if started else {}
         if "ready" not in ready:
-            print(json.dumps({"error": "engine did not start"}), flush=True)
+            print(json.dumps({"error": "engine did not start", "got": ready}), flush=True)
             return 1
         store = os.path.join(tempfile.mkdtemp(prefix="aiosync-colocate-"), "store")
         results: list[dict[str, Any]] = []
