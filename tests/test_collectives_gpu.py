@@ -23,8 +23,12 @@ def on_gpu0(seed: int) -> dict[str, torch.Tensor]:
     return {name: t.to("cuda:0") for name, t in mixed_weights(seed=seed).items()}
 
 
-def nccl_sender(targets: list[Proc], *, per_tensor: bool, timeout: float) -> CollectiveSender:
-    options = CollectiveOptions(engines=len(targets), per_tensor=per_tensor, timeout=timeout)
+def nccl_sender(
+    targets: list[Proc], *, per_tensor: bool, timeout: float, overlap: bool = False
+) -> CollectiveSender:
+    options = CollectiveOptions(
+        engines=len(targets), per_tensor=per_tensor, timeout=timeout, overlap=overlap
+    )
     config = SenderConfig(buffer_bytes=64 * 1024, timeout=timeout)
     return CollectiveSender(
         [t.endpoint for t in targets], collective=options, device="cuda:0", config=config
@@ -34,10 +38,13 @@ def nccl_sender(targets: list[Proc], *, per_tensor: bool, timeout: float) -> Col
 @pytest.mark.multigpu
 @requires_two_gpus
 @only_asyncio
-async def test_nccl_both_modes_bit_exact_gpu0_to_gpu1() -> None:
+async def test_nccl_every_mode_bit_exact_gpu0_to_gpu1() -> None:
     with engines(["--device", "cuda:1"]) as (engine,):
-        for version, per_tensor in ((0, False), (1, True)):
-            async with nccl_sender([engine], per_tensor=per_tensor, timeout=120) as sender:
+        modes = ((False, False), (True, False), (False, True), (False, True))
+        for version, (per_tensor, overlap) in enumerate(modes):
+            async with nccl_sender(
+                [engine], per_tensor=per_tensor, timeout=120, overlap=overlap
+            ) as sender:
                 await sender.send(on_gpu0(version + 1), version=version)
             committed = await engine.until("committed")
             assert committed["version"] == version

@@ -8,7 +8,8 @@ same shapes on GPU 1. In one run, each ``--repeats`` times after a warm-up:
 - ``raw``: the same bytes as one flat tensor, broadcast in 1 GiB messages over NCCL (the
   floor);
 - ``flat``: :class:`~aiosync.trainer.collective.CollectiveSender`, one broadcast per packed
-  bucket of ``--buffer-mb``;
+  bucket of ``--buffer-mb``; ``flat_overlap``: the same, the engine copying bucket k out
+  while it receives bucket k + 1 (``CollectiveOptions.overlap``);
 - ``per_tensor``: the same sender, one broadcast per tensor;
 - ``ipc``: :class:`~aiosync.WeightSender` through its CUDA IPC plane (the engine copies out
   of the trainer's buffers across NVLink).
@@ -234,8 +235,13 @@ async def _pipeline(
     sender: WeightSender
     if mode == "ipc":
         sender = WeightSender([endpoint], device=device, config=config)
-    elif mode in ("flat", "per_tensor"):
-        options = CollectiveOptions(engines=1, per_tensor=mode == "per_tensor", timeout=120)
+    elif mode in ("flat", "flat_overlap", "per_tensor"):
+        options = CollectiveOptions(
+            engines=1,
+            per_tensor=mode == "per_tensor",
+            overlap=mode == "flat_overlap",
+            timeout=120,
+        )
         sender = CollectiveSender([endpoint], collective=options, device=device, config=config)
     else:
         raise ValueError(f"unknown mode {mode}")
@@ -287,7 +293,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--buffer-mb", type=int, default=1024)
     parser.add_argument("--buffers", type=int, default=2)
-    parser.add_argument("--modes", default="raw,flat,per_tensor,ipc")
+    parser.add_argument("--modes", default="raw,flat,flat_overlap,per_tensor,ipc")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each tensor")
     parser.add_argument("--engine-gpu", default="1", help="CUDA_VISIBLE_DEVICES of the engine")
     parser.add_argument("--host", default="127.0.0.1")

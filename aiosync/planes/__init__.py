@@ -109,7 +109,7 @@ def open_receiver_plane(
 
         return CudaLegacyReceiverPlane(spec, device)
     if isinstance(spec, CollectivePlaneSpec):
-        from aiosync.planes.collective import CollectiveReceiverPlane
+        from aiosync.planes.collective_receiver import CollectiveReceiverPlane
 
         return CollectiveReceiverPlane(spec, device, limits)
     raise ValueError(f"unknown data plane {type(spec).__name__}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,30 +33,36 @@ from datetime import timedelta
 import torch
 
 from aiosync.collectives import ops
-from aiosync.collectives.executor import Deadline, GroupExecutor, collective_error
+from aiosync.collectives.executor import Deadline, GroupExecutor
 from aiosync.collectives.process_group import init_process_group
 from aiosync.collectives.rendezvous import (
     LOOPBACK,
-    connect_store,
     host_store,
     interface_address,
-    is_token,
     new_token,
     token_store,
     valid_host,
 )
-from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.layout import BucketPlan, TensorSpec, is_plain, pack_bucket, tensor_bytes
-from aiosync.core.limits import Limits
+from aiosync.core.errors import SyncTimeoutError, UsageError
+from aiosync.core.layout import BucketPlan, is_plain, pack_bucket, tensor_bytes
 from aiosync.core.wire import CollectivePlaneSpec
+from aiosync.planes.collective_receiver import (
+    BACKENDS,
+    MAX_TIMEOUT_MS,
+    MAX_WORLD,
+    CollectiveReceiverPlane,
+    check_spec,
+    joined_group,
+)
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("gloo", "nccl")
-RANK_KEY = "aiosync-next-rank"
-MAX_WORLD = 1 << 14
-MAX_TIMEOUT_MS = 24 * 3600 * 1000
-_GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+__all__ = [
+    "CollectiveOptions",
+    "CollectiveReceiverPlane",
+    "CollectiveSenderPlane",
+    "check_spec",
+]
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,9 @@ class CollectiveOptions:
     The rendezvous store listens on ``host`` (an IP address, loopback by default) or on
     the address of network interface ``interface``. ``per_tensor``: one broadcast per
     tensor instead of one per packed bucket. ``timeout`` (seconds) bounds the rendezvous
-    and each broadcast.
+    and each broadcast. ``overlap`` (NCCL, flattened): engines copy bucket k into their
+    model while they receive bucket k + 1 (their sinks then wait for the GPU once, at
+    commit, as with the CUDA IPC plane's events).
     """
 
     engines: int
@@ -77,6 +84,7 @@ class CollectiveOptions:
     interface: str | None = None
     per_tensor: bool = False
     timeout: float = 60.0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.engines < MAX_WORLD:
@@ -142,6 +150,7 @@ class CollectiveSenderPlane:
             capacity=self._capacity,
             per_tensor=self.options.per_tensor,
             timeout_ms=round(self.options.timeout * 1000),
+            overlap=self.options.overlap,
         )
 
     @property
@@ -191,7 +200,7 @@ class CollectiveSenderPlane:
         self._inflight[index] = self._executor.submit(job)
 
     def _group(self) -> torch.distributed.ProcessGroup:
-        return _joined_group(self._executor, self._joined, self._name)
+        return joined_group(self._executor, self._joined, self._name)
 
     def _raise_failed(self) -> None:
         for future in [self._joined, *self._inflight.values()]:
@@ -213,18 +222,6 @@ class CollectiveSenderPlane:
         self._segments.clear()
 
 
-def _joined_group(
-    executor: GroupExecutor, joined: concurrent.futures.Future[None], name: str
-) -> torch.distributed.ProcessGroup:
-    """The group once joined (on the group's thread, so the join has ended by then)."""
-    error = joined.exception() if joined.done() else None
-    if error is not None:
-        raise collective_error(error, f"rendezvous of group {name}", ())
-    if executor.group is None:
-        raise AiosyncError(f"group {name} was never joined")
-    return executor.group
-
-
 def _segments(plan: BucketPlan, device: torch.device) -> list[torch.Tensor]:
     """Each planned tensor's bytes (or chunk) as flat ``uint8`` on ``device``."""
     parts = []
@@ -237,108 +234,3 @@ def _segments(plan: BucketPlan, device: torch.device) -> list[torch.Tensor]:
         data = tensor_bytes(tensor)
         parts.append(data if spec.is_whole else data[spec.start : spec.start + spec.nbytes])
     return parts
-
-
-def check_spec(spec: CollectivePlaneSpec, limits: Limits | None = None) -> None:
-    """Refuse a collective plane spec a peer could abuse (raises :class:`ProtocolError`)."""
-    limits = limits or Limits()
-    problems = []
-    if spec.backend not in BACKENDS:
-        problems.append(f"backend {spec.backend!r} is not one of {BACKENDS}")
-    try:
-        valid_host(spec.host)
-    except ValueError as exc:
-        problems.append(str(exc))
-    if not 0 < spec.port < 65536:
-        problems.append(f"port {spec.port} out of range")
-    if not is_token(spec.token):
-        problems.append("malformed token")
-    if not _GROUP_NAME.fullmatch(spec.group):
-        problems.append("group name must be 1-128 of [A-Za-z0-9_.-]")
-    if not 2 <= spec.world_size <= MAX_WORLD:
-        problems.append(f"world size {spec.world_size} not in [2, {MAX_WORLD}]")
-    if not 1 <= spec.count <= limits.max_buffers or spec.capacity <= 0:
-        problems.append(f"{spec.count} buffers of {spec.capacity} bytes")
-    elif spec.count * spec.capacity > limits.max_session_bytes:
-        problems.append(f"{spec.count * spec.capacity} bytes of buffers (too many)")
-    if not 0 < spec.timeout_ms <= MAX_TIMEOUT_MS:
-        problems.append(f"timeout {spec.timeout_ms} ms out of range")
-    if problems:
-        raise ProtocolError("collective plane refused: " + "; ".join(problems))
-
-
-class CollectiveReceiverPlane:
-    """An engine's side: joins the group (next free rank) and receives each bucket.
-
-    Opening returns at once; the rendezvous runs on the group's thread, so a trainer that
-    says hello to several engines in turn is never blocked by the first. ``view`` (called
-    when the bucket message arrives, in a worker thread) posts the receive and returns the
-    bytes once they are in place. Buffers are allocated on first use.
-    """
-
-    def __init__(
-        self, spec: CollectivePlaneSpec, device: torch.device, limits: Limits | None = None
-    ) -> None:
-        check_spec(spec, limits)
-        self._spec = spec
-        self._timeout = spec.timeout_ms / 1000
-        if spec.backend == "nccl":
-            if device.type != "cuda":
-                raise ProtocolError("an NCCL plane needs an engine on a CUDA device")
-            self._device = device
-        else:
-            self._device = torch.device("cpu")
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._expected: dict[int, list[TensorSpec]] = {}
-        self.rank: int | None = None
-        self._executor = GroupExecutor(spec.group, join_timeout=self._timeout)
-        self._executor.start()
-        self._joined = self._executor.submit(self._join)
-
-    def _join(self) -> None:
-        spec, wait = self._spec, timedelta(seconds=self._timeout)
-        store = token_store(connect_store(spec.host, spec.port, timeout=wait), spec.token)
-        rank = int(store.add(RANK_KEY, 1))
-        if not 0 < rank < spec.world_size:
-            raise ProtocolError(f"group {spec.group} is full ({spec.world_size - 1} engine ranks)")
-        self.rank = rank
-        self._executor.group = init_process_group(
-            spec.backend, store=store, world_size=spec.world_size, rank=rank,
-            group_name=spec.group, timeout=wait,
-        )  # fmt: skip
-        log.info("joined group %s as rank %d of %d", spec.group, rank, spec.world_size)
-
-    def expect(self, index: int, specs: list[TensorSpec]) -> None:
-        """The (checked) specs of the bucket about to arrive in ``index`` (per-tensor mode)."""
-        self._expected[index] = specs
-
-    def view(self, index: int, used: int) -> torch.Tensor:
-        """Receive bucket ``index`` (``used`` bytes) and return its bytes; blocking."""
-        spec = self._spec
-        if not 0 <= index < spec.count or not 0 <= used <= spec.capacity:
-            raise ProtocolError(f"bucket {index} of {used} bytes is outside the plane")
-        buffer = self._buffers.get(index)
-        if buffer is None:
-            buffer = torch.empty(spec.capacity, dtype=torch.uint8, device=self._device)
-            self._buffers[index] = buffer
-        data = buffer[:used]
-        deadline = Deadline.after(self._timeout)
-        job: Callable[[], None]
-        if spec.per_tensor:
-            specs = self._expected.pop(index, None)
-            if specs is None:
-                raise UsageError("per-tensor plane: the receiver did not pass the bucket's specs")
-            parts = [data[s.offset : s.offset + s.nbytes] for s in specs if s.nbytes]
-            job = lambda: ops.broadcast_many(self._group(), parts, 0, deadline)  # noqa: E731
-        else:
-            job = lambda: ops.broadcast(self._group(), data, 0, deadline)  # noqa: E731
-        self._executor.call(job, deadline=deadline, what=f"receive into buffer {index}")
-        return data
-
-    def _group(self) -> torch.distributed.ProcessGroup:
-        return _joined_group(self._executor, self._joined, self._spec.group)
-
-    def close(self) -> None:
-        """Leave the group (without waiting for a blocked collective to end)."""
-        self._executor.close(wait=False)
-        self._buffers.clear()

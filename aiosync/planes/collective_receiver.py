@@ -1,0 +1,207 @@
+"""The engine's side of the collective data plane (see :mod:`aiosync.planes.collective`).
+
+:class:`CollectiveReceiverPlane` joins the trainer's side group from the hello's
+:class:`~aiosync.core.wire.CollectivePlaneSpec` (checked first as hostile input by
+:func:`check_spec`) and receives each bucket in :meth:`CollectiveReceiverPlane.view`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+
+from aiosync.collectives import ops
+from aiosync.collectives.executor import Deadline, GroupExecutor, collective_error
+from aiosync.collectives.process_group import init_process_group
+from aiosync.collectives.rendezvous import connect_store, is_token, token_store, valid_host
+from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
+from aiosync.core.layout import TensorSpec
+from aiosync.core.limits import Limits
+from aiosync.core.wire import CollectivePlaneSpec
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+RANK_KEY = "aiosync-next-rank"
+MAX_WORLD = 1 << 14
+MAX_TIMEOUT_MS = 24 * 3600 * 1000
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def joined_group(
+    executor: GroupExecutor, joined: concurrent.futures.Future[None], name: str
+) -> torch.distributed.ProcessGroup:
+    """The group once joined (on the group's thread, so the join has ended by then)."""
+    error = joined.exception() if joined.done() else None
+    if error is not None:
+        raise collective_error(error, f"rendezvous of group {name}", ())
+    if executor.group is None:
+        raise AiosyncError(f"group {name} was never joined")
+    return executor.group
+
+
+def check_spec(spec: CollectivePlaneSpec, limits: Limits | None = None) -> None:
+    """Refuse a collective plane spec a peer could abuse (raises :class:`ProtocolError`)."""
+    limits = limits or Limits()
+    problems = []
+    if spec.backend not in BACKENDS:
+        problems.append(f"backend {spec.backend!r} is not one of {BACKENDS}")
+    try:
+        valid_host(spec.host)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if not 0 < spec.port < 65536:
+        problems.append(f"port {spec.port} out of range")
+    if not is_token(spec.token):
+        problems.append("malformed token")
+    if not _GROUP_NAME.fullmatch(spec.group):
+        problems.append("group name must be 1-128 of [A-Za-z0-9_.-]")
+    if not 2 <= spec.world_size <= MAX_WORLD:
+        problems.append(f"world size {spec.world_size} not in [2, {MAX_WORLD}]")
+    if not 1 <= spec.count <= limits.max_buffers or spec.capacity <= 0:
+        problems.append(f"{spec.count} buffers of {spec.capacity} bytes")
+    elif spec.count * spec.capacity > limits.max_session_bytes:
+        problems.append(f"{spec.count * spec.capacity} bytes of buffers (too many)")
+    if not 0 < spec.timeout_ms <= MAX_TIMEOUT_MS:
+        problems.append(f"timeout {spec.timeout_ms} ms out of range")
+    if problems:
+        raise ProtocolError("collective plane refused: " + "; ".join(problems))
+
+
+class CollectiveReceiverPlane:
+    """An engine's side: joins the group (next free rank) and receives each bucket.
+
+    Opening returns at once; the rendezvous runs on the group's thread, so a trainer that
+    says hello to several engines in turn is never blocked by the first. ``view`` (called
+    when the bucket message arrives, in a worker thread) posts the receive and returns the
+    bytes once they are in place. Buffers are allocated on first use.
+    """
+
+    def __init__(
+        self, spec: CollectivePlaneSpec, device: torch.device, limits: Limits | None = None
+    ) -> None:
+        check_spec(spec, limits)
+        self._spec = spec
+        self._timeout = spec.timeout_ms / 1000
+        if spec.backend == "nccl":
+            if device.type != "cuda":
+                raise ProtocolError("an NCCL plane needs an engine on a CUDA device")
+            self._device = device
+        else:
+            self._device = torch.device("cpu")
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._expected: dict[int, list[TensorSpec]] = {}
+        self.rank: int | None = None
+        overlap = spec.overlap and spec.backend == "nccl" and not spec.per_tensor
+        self._overlap = _Overlap(self._device) if overlap else None
+        self.events: list[bytes] = [b"collective"] if overlap else []
+        """Non-empty when copies are ordered by events (see :mod:`aiosync.planes.cuda_order`):
+        the receiver then lets sinks skip their per-bucket device wait. The trainer's
+        collective plane ignores the value."""
+        self._executor = GroupExecutor(spec.group, join_timeout=self._timeout)
+        self._executor.start()
+        self._joined = self._executor.submit(self._join)
+
+    def _join(self) -> None:
+        spec, wait = self._spec, timedelta(seconds=self._timeout)
+        store = token_store(connect_store(spec.host, spec.port, timeout=wait), spec.token)
+        rank = int(store.add(RANK_KEY, 1))
+        if not 0 < rank < spec.world_size:
+            raise ProtocolError(f"group {spec.group} is full ({spec.world_size - 1} engine ranks)")
+        self.rank = rank
+        self._executor.group = init_process_group(
+            spec.backend, store=store, world_size=spec.world_size, rank=rank,
+            group_name=spec.group, timeout=wait,
+        )  # fmt: skip
+        log.info("joined group %s as rank %d of %d", spec.group, rank, spec.world_size)
+
+    def expect(self, index: int, specs: list[TensorSpec]) -> None:
+        """The (checked) specs of the bucket about to arrive in ``index`` (per-tensor mode)."""
+        self._expected[index] = specs
+
+    def view(self, index: int, used: int) -> torch.Tensor:
+        """Receive bucket ``index`` (``used`` bytes) and return its bytes; blocking."""
+        spec = self._spec
+        if not 0 <= index < spec.count or not 0 <= used <= spec.capacity:
+            raise ProtocolError(f"bucket {index} of {used} bytes is outside the plane")
+        buffer = self._buffers.get(index)
+        if buffer is None:
+            buffer = torch.empty(spec.capacity, dtype=torch.uint8, device=self._device)
+            self._buffers[index] = buffer
+        data = buffer[:used]
+        deadline = Deadline.after(self._timeout)
+        job: Callable[[], None]
+        if spec.per_tensor:
+            specs = self._expected.pop(index, None)
+            if specs is None:
+                raise UsageError("per-tensor plane: the receiver did not pass the bucket's specs")
+            parts = [data[s.offset : s.offset + s.nbytes] for s in specs if s.nbytes]
+            job = lambda: ops.broadcast_many(self._group(), parts, 0, deadline)  # noqa: E731
+        elif self._overlap is not None:
+            job = self._overlap.receive(self._group, data, index, deadline)
+        else:
+            job = lambda: ops.broadcast(self._group(), data, 0, deadline)  # noqa: E731
+        self._executor.call(job, deadline=deadline, what=f"receive into buffer {index}")
+        return data
+
+    @contextmanager
+    def applying(self, index: int) -> Iterator[None]:
+        """Around one bucket's apply (see :mod:`aiosync.planes.cuda_order`): nothing to set."""
+        yield
+
+    def applied(self, index: int) -> None:
+        """The bucket's copies out of buffer ``index`` are queued on this thread's stream."""
+        if self._overlap is not None:
+            self._overlap.freed(index)
+
+    def _group(self) -> torch.distributed.ProcessGroup:
+        return joined_group(self._executor, self._joined, self._spec.group)
+
+    def close(self) -> None:
+        """Leave the group (without waiting for a blocked collective to end)."""
+        self._executor.close(wait=False)
+        self._buffers.clear()
+
+
+class _Overlap:
+    """Receives on a stream of its own, each after the copies out of its buffer's last use.
+
+    The host still waits for every receive (under the deadline, so a hung peer is aborted);
+    what it no longer waits for is the sink's copy of the previous bucket, which runs on the
+    applying thread's stream while the next receive lands in the other buffer.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.copied: dict[int, torch.cuda.Event] = {}
+
+    def receive(
+        self,
+        group: Callable[[], torch.distributed.ProcessGroup],
+        data: torch.Tensor,
+        index: int,
+        deadline: Deadline,
+    ) -> Callable[[], None]:
+        """The job receiving buffer ``index`` (on the group's thread)."""
+
+        def job() -> None:
+            with torch.cuda.stream(self.stream):
+                copied = self.copied.get(index)
+                if copied is not None:
+                    self.stream.wait_event(copied)
+                ops.broadcast(group(), data, 0, deadline)
+
+        return job
+
+    def freed(self, index: int) -> None:
+        """Record, on this thread's stream, that buffer ``index`` has been copied out."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        self.copied[index] = event
