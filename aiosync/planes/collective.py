@@ -179,6 +179,9 @@ class CollectiveSenderPlane:
         if self._stream is None:
             pack_bucket(self._buffers[index], plan)
             return
+        # a side stream: the group's thread enqueues broadcasts on the default stream, and
+        # NCCL would wait for a pack queued there; the pack still follows the trainer's work
+        self._stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.stream(self._stream):
             pack_bucket(self._buffers[index], plan)
         self._stream.synchronize()
