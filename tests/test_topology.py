@@ -274,6 +274,7 @@ def test_engine_refuses_hostile_calls_and_keeps_its_staged_weights(trainer: Trai
     _refused(engine, ["text", good[1]], "must be bytes")
     _refused(engine, good, "not an integer", weight_version="v2")
     _refused(engine, [good[0], trainer.last(0)[1]], "others do not")
+    _refused(engine, good[::-1], "expected rank 2 for engine 0")
     unknown = trainer.parts(0, [("nope", torch.zeros(3))])
     _refused(engine, unknown, "no such parameter")
     wrong = trainer.parts(0, [("w", torch.zeros(3, 3))])
@@ -286,7 +287,7 @@ def test_engine_refuses_hostile_calls_and_keeps_its_staged_weights(trainer: Trai
     for target in targets:  # staged: no refused call changed a live weight
         for name, tensor in _weights(1).items():
             assert torch.equal(target[name], tensor)
-    assert len(engine.failures) == 10
+    assert len(engine.failures) == 11
     _sync(engine, trainer, 4, "4")  # and it takes the next good version
     assert engine.current_version == 4
     engine.close()

@@ -116,6 +116,13 @@ class ColocatedReceiver:
         if parts[0].seq == 0 and self._seq != 0:  # a new sync: an unfinished one is dropped
             log.warning("%s: a new sync began before the last one ended; dropping it", self.name)
             self._abort()
+        first = parts[0]
+        for i, part in enumerate(parts):
+            if part.engine != first.engine or part.rank != first.rank + i:
+                raise ProtocolError(
+                    f"part {i} comes from rank {part.rank} for engine {part.engine}; expected "
+                    f"rank {first.rank + i} for engine {first.engine}"
+                )
         for part in parts:
             if part.error is not None:
                 raise AiosyncError(f"trainer rank {part.rank}: {part.error}", version=version)
