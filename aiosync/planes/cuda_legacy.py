@@ -22,9 +22,6 @@ message that leads to the wait is sent, so the order holds across the two proces
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -34,16 +31,6 @@ from aiosync.core.wire import CudaLegacyPlaneSpec
 from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
 log = logging.getLogger(__name__)
-
-SIDE_STREAMS_ENV = "AIOSYNC_CUDA_SIDE_STREAMS"
-"""``1``: pack and apply on side streams of the plane's own (chained to the caller's and the
-engine's default stream by events) instead of on those streams themselves."""
-
-
-def _side_stream(device: int) -> torch.cuda.Stream | None:
-    if os.environ.get(SIDE_STREAMS_ENV) != "1":
-        return None
-    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
 
 def _new_event(device: int) -> tuple[torch.cuda.Event, bytes]:
@@ -88,7 +75,6 @@ class CudaLegacySenderPlane:
             events=[handle for _, handle in made],
         )
         self._stream: torch.cuda.Stream | None = None
-        self._side = _side_stream(index)
         self._waits: list[list[bytes]] = [[] for _ in range(count)]
         self._peer_events: dict[bytes, torch.cuda.Event] = {}
 
@@ -110,8 +96,6 @@ class CudaLegacySenderPlane:
     def begin_version(self) -> None:
         """Pack this version on the calling thread's current stream (the trainer's)."""
         self._stream = torch.cuda.current_stream(self._device)
-        if self._side is not None:  # the side stream starts after the caller's work so far
-            self._side.wait_stream(self._stream)
 
     def consumed(self, index: int, events: list[bytes]) -> None:
         """An engine acked buffer ``index``; ``events`` are its ``applied`` handles.
@@ -123,8 +107,7 @@ class CudaLegacySenderPlane:
 
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Queue the bucket's copies after the engines' last reads of the buffer; no wait."""
-        caller = self._stream or torch.cuda.current_stream(self._device)
-        stream = self._side or caller
+        stream = self._stream or torch.cuda.current_stream(self._device)
         with torch.cuda.stream(stream):
             waits, self._waits[index] = self._waits[index], []
             for handle in waits:
@@ -134,8 +117,6 @@ class CudaLegacySenderPlane:
                 stream.wait_event(event)
             pack_bucket(self._buffers[index].tensor, plan)
             self._packed[index].record(stream)
-        if self._side is not None:  # the caller's later work (a step) waits for the read
-            caller.wait_event(self._packed[index])
 
     async def publish(self, index: int, used: int) -> None:
         """Nothing to do: engines read the same device memory."""
@@ -167,17 +148,6 @@ class CudaLegacyReceiverPlane:
         made = [_new_event(self._device) for _ in spec.events]
         self._applied = [event for event, _ in made]
         self.events = [handle for _, handle in made]
-        self._side = _side_stream(self._device)
-
-    @contextmanager
-    def applying(self, index: int) -> Iterator[None]:
-        """Around one bucket's apply (this thread): on the side stream, if there is one."""
-        if self._side is None:
-            yield
-            return
-        self._side.wait_stream(torch.cuda.default_stream(self._device))  # readers first
-        with torch.cuda.stream(self._side):
-            yield
 
     def view(self, index: int, used: int) -> torch.Tensor:
         """The first ``used`` bytes of buffer ``index``, after the trainer's packing.
@@ -190,12 +160,8 @@ class CudaLegacyReceiverPlane:
 
     def applied(self, index: int) -> None:
         """The bucket's copies are queued on this thread's stream: record ``applied[index]``."""
-        if not self._applied:
-            return
-        event = self._applied[index]
-        event.record(self._side or torch.cuda.current_stream(self._device))
-        if self._side is not None:  # readers on the default stream come after the copies
-            torch.cuda.default_stream(self._device).wait_event(event)
+        if self._applied:
+            self._applied[index].record(torch.cuda.current_stream(self._device))
 
     def close(self) -> None:
         """Unmap the buffers once the device is idle (idempotent)."""

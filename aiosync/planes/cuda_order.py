@@ -38,8 +38,7 @@ def ordered_apply(plane: Any, index: int) -> Iterator[None]:
         return
     _local.deferred = True
     try:
-        with plane.applying(index):
-            yield
+        yield
     finally:
         _local.deferred = False
         applied(index)  # also after a failure: the trainer must not wait for ever
