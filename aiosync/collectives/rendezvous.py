@@ -76,15 +76,10 @@ class HostedStore:
             listening.listen(128)
             self.host = host
             self.port: int = listening.getsockname()[1]
-            self.store = TCPStore(
-                host,
-                self.port,
-                None,
-                True,
-                timeout=timeout,
-                wait_for_workers=False,
-                master_listen_fd=listening.fileno(),
-            )
+            try:
+                self.store = _serve(host, self.port, timeout, listening.fileno(), libuv=True)
+            except RuntimeError:  # a torch whose libuv server cannot take a socket
+                self.store = _serve(host, self.port, timeout, listening.fileno(), libuv=False)
         except BaseException:
             listening.close()
             raise
@@ -101,6 +96,20 @@ class HostedStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _serve(host: str, port: int, timeout: timedelta, fd: int, *, libuv: bool) -> TCPStore:
+    """A store server on the listening socket ``fd`` (which it then owns)."""
+    return TCPStore(
+        host,
+        port,
+        None,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=fd,
+        use_libuv=libuv,
+    )
 
 
 def host_store(host: str = LOOPBACK, *, timeout: timedelta) -> HostedStore:
