@@ -47,8 +47,8 @@ def main() -> None:
 
     real = fleet._send_bucket
 
-    def die(group: Any, tensors: list[Any], specs: list[Any], used: int, flat: bool) -> None:
-        real(group, tensors[:1], specs[:1], used, flat)  # the first tensor only
+    def die(group: Any, scratch: Any, tensors: list[Any], specs: list[Any], *rest: Any) -> None:
+        real(group, scratch, tensors[:1], specs[:1], *rest)  # the first tensor only
         emit("dying")
         os._exit(0)
 

@@ -44,6 +44,7 @@ from aiosync.core.layout import TensorSpec, view_spec
 from aiosync.engine.sinks import WeightSink
 from aiosync.handles.alias_store import AliasStore, rank_alias
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
+from aiosync.handles.scratch import Scratch
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class _Group:
     name: str
     ranks: list[int]
     executors: list[GroupExecutor]
+    stores: list[AliasStore]
+    scratch: list[Scratch] = field(default_factory=list)
+    """Kept alive with the group: NCCL reads the store again at its first collective, and
+    a Python store whose object is gone answers torch with "Not implemented"."""
 
 
 @dataclass
@@ -195,15 +200,19 @@ class AiosyncEngine:
             GroupExecutor(f"{group_name}/rank{rank}", join_timeout=self.timeout) for rank in ranks
         ]
 
+        stores: list[AliasStore] = []
+
         def join(rank: int, device: torch.device) -> dist.ProcessGroup:
             if device.type == "cuda":  # NCCL binds the communicator to this thread's device
                 torch.cuda.set_device(device)
             client = connect_store(host, port, timeout=limit)
             store = client if token is None else token_store(client, token)
             alias = rank_alias(group_name, rank)  # ranks of one process need names of their own
+            aliased = AliasStore(store, alias, group_name)
+            stores.append(aliased)
             return init_process_group(
                 backend=backend,
-                store=AliasStore(store, alias, group_name),
+                store=aliased,
                 world_size=world_size,
                 rank=rank,
                 group_name=alias,
@@ -225,7 +234,8 @@ class AiosyncEngine:
             for ex in executors:
                 ex.close()
             raise
-        self._groups[group_name] = _Group(group_name, ranks, executors)
+        scratch = [Scratch() for _ in ranks]
+        self._groups[group_name] = _Group(group_name, ranks, executors, stores, scratch)
         log.info("%s joined %s as ranks %s of %d", self.name, group_name, ranks, world_size)
 
     def destroy_weights_update_group(self, group_name: str) -> Answer:
@@ -311,8 +321,10 @@ class AiosyncEngine:
         deadline = Deadline.after(self.timeout)
         flattened = load_format == FLATTENED
         futures: list[Future[None]] = [
-            ex.submit(functools.partial(_receive_bucket, sink, ex.group, specs, used, flattened))
-            for ex, sink in zip(group.executors, self._sinks, strict=True)
+            ex.submit(
+                functools.partial(_receive_bucket, sink, ex.group, scratch, specs, used, flattened)
+            )
+            for ex, sink, scratch in zip(group.executors, self._sinks, group.scratch, strict=True)
         ]
         for ex, future in zip(group.executors, futures, strict=True):
             ex.result(future, deadline=deadline, what="receiving a bucket", peers=["trainer"])
@@ -357,14 +369,15 @@ class AiosyncEngine:
 def _receive_bucket(
     sink: WeightSink,
     group: dist.ProcessGroup | None,
+    scratch: Scratch,
     specs: list[TensorSpec],
     used: int,
     flattened: bool,
 ) -> None:
-    """Receive one bucket's broadcasts from rank 0 into a fresh buffer, then apply it."""
+    """Receive one bucket's broadcasts from rank 0 into the rank's buffer, then apply it."""
     if group is None:
         raise AiosyncError("the group is gone")
-    buffer = torch.empty(max(used, 1), dtype=torch.uint8, device=sink.device)
+    buffer = scratch.get(used, sink.device)
     if flattened:
         if used:
             dist.broadcast(buffer[:used], src=0, group=group)

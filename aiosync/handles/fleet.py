@@ -38,6 +38,7 @@ from aiosync.core.errors import AiosyncError, RejectedError, SyncTimeoutError, U
 from aiosync.core.layout import BucketPlan, TensorSpec, pack_bucket
 from aiosync.handles.base import EngineHandle, WeightSyncResult
 from aiosync.handles.metadata import FLATTENED, bucket_layout, describe
+from aiosync.handles.scratch import Scratch
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class TrainerGroup:
     handles: list[EngineHandle]
     world_size: int
     closed: bool = field(default=False)
+    scratch: Scratch = field(default_factory=Scratch)
 
     @property
     def engine_names(self) -> list[str]:
@@ -202,6 +204,7 @@ async def connect(
 
 def _send_bucket(
     group: dist.ProcessGroup,
+    scratch: Scratch,
     tensors: list[torch.Tensor],
     specs: list[TensorSpec],
     used: int,
@@ -217,7 +220,7 @@ def _send_bucket(
         torch.cuda.set_device(device)
     if flattened:
         if used:
-            buffer = torch.empty(used, dtype=torch.uint8, device=device)
+            buffer = scratch.get(used, device)
             pack_bucket(buffer, BucketPlan(tensors, specs, used))
             dist.broadcast(buffer, src=0, group=group)
     else:
@@ -257,7 +260,9 @@ async def broadcast_bucket(
         tensors = [tensor.cpu() for tensor in tensors]
     pending = set(trainer.engine_names)
     load_format = FLATTENED if flattened else None
-    send = functools.partial(_send_bucket, trainer.group, tensors, specs, used, flattened)
+    send = functools.partial(
+        _send_bucket, trainer.group, trainer.scratch, tensors, specs, used, flattened
+    )
 
     def ask(handle: EngineHandle) -> Awaitable[WeightSyncResult]:
         return handle.update_weights_from_distributed(
@@ -318,6 +323,7 @@ async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
             trainer.executor.fail(AiosyncError(f"group {trainer.name!r} disconnected"))
         await _close_executor(trainer.executor, max(CLEANUP_WAIT, deadline.remaining()))
         _close_store(trainer.store)
+        trainer.scratch.clear()
     for problem in problems:
         log.warning("group %s: disconnect: %s", trainer.name, problem)
     return problems
