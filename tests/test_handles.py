@@ -328,3 +328,58 @@ def test_engine_handle_is_the_interface_every_adapter_implements() -> None:
         "destroy_weights_update_group",
         "check_health",
     } <= abstract
+
+
+class NoTokenEngine:
+    """An engine with SGLang's signatures exactly: no ``token`` argument."""
+
+    def __init__(self, engine: AiosyncEngine) -> None:
+        self.engine = engine
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str = "nccl",
+    ) -> tuple[bool, str]:  # fmt: skip
+        return self.engine.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def update_weights_from_distributed(self, **kwargs: Any) -> tuple[bool, str]:
+        return self.engine.update_weights_from_distributed(**kwargs)
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        return self.engine.destroy_weights_update_group(group_name)
+
+
+def test_engines_without_the_token_argument_join_when_the_token_is_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv(distributed.BACKEND_ENV, "gloo")
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, "30")
+    model = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in mixed_weights().items()}
+    engines: list[object] = [NoTokenEngine(AiosyncEngine(ModuleSink(model), name="plain"))]
+    with pytest.raises(RuntimeError, match="token"):
+        connect_rollout_engines_from_distributed(
+            group_name="tokened", rollout_engines=engines, engine_gpu_counts=[1]
+        )
+    monkeypatch.setenv(distributed.TOKEN_ENV, "0")
+    group = connect_rollout_engines_from_distributed(
+        group_name="plain", rollout_engines=engines, engine_gpu_counts=[1]
+    )
+    try:
+        weights = mixed_weights(seed=6)
+        broadcast_hf_buckets_via_distributed_impl(
+            bucket_iterator=iter([list(weights.items())]),
+            rollout_engines=engines,
+            rollout_engine_lock=None,
+            group_name="plain",
+            model_update_group=group,
+            weight_version=1,
+        )
+        for name, tensor in weights.items():
+            assert torch.equal(model[name], tensor), name
+    finally:
+        disconnect_rollout_engines_from_distributed(
+            group_name="plain", model_update_group=group, rollout_engines=engines
+        )

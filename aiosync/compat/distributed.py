@@ -14,7 +14,9 @@ waits past it. Settings read from the environment at each call:
 ``AIOSYNC_STORE_HOST`` (the address the rendezvous store listens on, default loopback) or
 ``AIOSYNC_STORE_INTERFACE`` (a network interface whose address to use), and
 ``AIOSYNC_BROADCAST_FORMAT`` (``per_tensor``, the default and the reference's, or
-``flattened``: one broadcast per bucket).
+``flattened``: one broadcast per bucket), ``AIOSYNC_RENDEZVOUS_TOKEN=0`` (leave the random
+token out, for engines whose ``init_weights_update_group`` cannot take it; anyone who
+reaches the store can then join the group).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ BACKEND_ENV = "AIOSYNC_COLLECTIVE_BACKEND"
 STORE_HOST_ENV = "AIOSYNC_STORE_HOST"
 STORE_INTERFACE_ENV = "AIOSYNC_STORE_INTERFACE"
 FORMAT_ENV = "AIOSYNC_BROADCAST_FORMAT"
+TOKEN_ENV = "AIOSYNC_RENDEZVOUS_TOKEN"
 LOCK_POLL = 0.05
 """Seconds between tries of a Ray actor lock whose ``acquire`` answered False."""
 
@@ -84,6 +87,13 @@ def _store_host() -> str:
         return valid_host(host)
     interface = os.environ.get(STORE_INTERFACE_ENV)
     return interface_address(interface) if interface else LOOPBACK
+
+
+def _use_token() -> bool:
+    chosen = os.environ.get(TOKEN_ENV, "1")
+    if chosen not in ("0", "1"):
+        raise CompatValueError(f"{TOKEN_ENV} must be 0 or 1, got {chosen!r}")
+    return chosen == "1"
 
 
 def _flattened() -> bool:
@@ -142,7 +152,8 @@ def connect_rollout_engines_from_distributed(
     ``AIOSYNC_STORE_HOST`` / ``AIOSYNC_STORE_INTERFACE``) and the group's keys carry a
     random token handed to each engine with its ``init_weights_update_group`` call, so
     the engines must accept aiosync's ``token`` argument (as
-    :class:`aiosync.handles.engine.AiosyncEngine` does). Raises ``TimeoutError`` naming
+    :class:`aiosync.handles.engine.AiosyncEngine` does) unless ``AIOSYNC_RENDEZVOUS_TOKEN``
+    is ``0``. Raises ``TimeoutError`` naming
     engines that did not join, ``RuntimeError`` naming one that refused, ``ValueError``
     for a group name already connected.
     """
@@ -157,11 +168,17 @@ def connect_rollout_engines_from_distributed(
                 f"group {group_name!r} is already connected: disconnect it first"
             )
     deadline = _deadline()
-    backend, host = _backend(), _store_host()
+    backend, host, use_token = _backend(), _store_host(), _use_token()
 
     async def main() -> fleet.TrainerGroup:
         return await fleet.connect(
-            handles, engine_gpu_counts, group_name, backend=backend, deadline=deadline, host=host
+            handles,
+            engine_gpu_counts,
+            group_name,
+            backend=backend,
+            deadline=deadline,
+            host=host,
+            use_token=use_token,
         )
 
     trainer = _run(main)

@@ -132,8 +132,12 @@ async def connect(
     backend: str,
     deadline: Deadline,
     host: str = "127.0.0.1",
+    use_token: bool = True,
 ) -> TrainerGroup:
     """Join the trainer (rank 0) and every engine into ``group_name``; the trainer's side.
+
+    ``use_token=False`` leaves the random token out of the group's keys and of the engines'
+    calls, for engines that cannot take it (anyone who reaches the store may then join).
 
     Raises :class:`SyncTimeoutError` naming the engines that had not joined by the
     deadline, or the first engine's refusal; either way nothing is left joined here.
@@ -149,14 +153,14 @@ async def connect(
     world_size = 1 + sum(engine_gpu_counts)
     limit = timedelta(seconds=max(1.0, deadline.remaining()))
     store = host_store(host, timeout=limit)
-    token = new_token()
+    token = new_token() if use_token else None
     executor = GroupExecutor(group_name, join_timeout=deadline.seconds)
     executor.start()
     pending = {handle.name for handle in handles}
     join = functools.partial(
         init_process_group,
         backend=backend,
-        store=token_store(store.store, token),
+        store=store.store if token is None else token_store(store.store, token),
         world_size=world_size,
         rank=0,
         group_name=group_name,
