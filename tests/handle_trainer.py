@@ -18,7 +18,7 @@ from aiosync.compat.distributed import (
     connect_rollout_engines_from_distributed,
 )
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
-from aiosync.handles import ChannelHandle, fleet
+from aiosync.handles import ChannelHandle, transfer
 from tests.models import mixed_weights
 
 
@@ -45,14 +45,14 @@ def main() -> None:
     send(1)
     emit("sent")
 
-    real = fleet._send_bucket
+    real = transfer.send_bucket
 
     def die(group: Any, scratch: Any, tensors: list[Any], specs: list[Any], *rest: Any) -> None:
         real(group, scratch, tensors[:1], specs[:1], *rest)  # the first tensor only
         emit("dying")
         os._exit(0)
 
-    fleet._send_bucket = die  # the engine is left waiting for the second tensor
+    transfer.send_bucket = die  # the engine is left waiting for the second tensor
     send(2)
 
 

@@ -3,6 +3,7 @@ and the whole broadcast path with an in-process AiosyncEngine (Gloo, one process
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from dataclasses import dataclass
@@ -383,3 +384,47 @@ def test_engines_without_the_token_argument_join_when_the_token_is_off(
         disconnect_rollout_engines_from_distributed(
             group_name="plain", model_update_group=group, rollout_engines=engines
         )
+
+
+def test_an_in_place_engine_reports_mixed_weights_after_a_failed_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv(distributed.BACKEND_ENV, "gloo")
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, "30")
+    model = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in mixed_weights().items()}
+    engine = AiosyncEngine(ModuleSink(model), name="in-place")  # not staged
+    engines: list[object] = [engine]
+    items = list(mixed_weights(seed=7).items())
+    bad = [("no.such.weight", torch.ones(3))]
+    for version, buckets in ((1, [items[:2], bad]), (2, [items[:4], items[4:]])):
+        group = connect_rollout_engines_from_distributed(
+            group_name="mixed", rollout_engines=engines, engine_gpu_counts=[1]
+        )
+        try:
+            call = functools.partial(
+                broadcast_hf_buckets_via_distributed_impl,
+                bucket_iterator=iter(buckets),
+                rollout_engines=engines,
+                rollout_engine_lock=None,
+                group_name="mixed",
+                model_update_group=group,
+                weight_version=version,
+            )
+            if version == 1:
+                with pytest.raises(RuntimeError, match=r"no\.such\.weight"):
+                    call()
+                health = engine.check_health()
+                assert not health["servable"]
+                assert not health["healthy"]
+                assert health["weight_version"] is None
+            else:
+                call()
+        finally:
+            disconnect_rollout_engines_from_distributed(
+                group_name="mixed", model_update_group=group, rollout_engines=engines
+            )
+    health = engine.check_health()
+    assert health["servable"]
+    assert health["healthy"]
+    assert health["weight_version"] == "2"

@@ -40,11 +40,11 @@ from aiosync.collectives import (
 )
 from aiosync.collectives.rendezvous import is_token, valid_host
 from aiosync.core.errors import AiosyncError
-from aiosync.core.layout import TensorSpec, view_spec
 from aiosync.engine.sinks import WeightSink
 from aiosync.handles.alias_store import AliasStore, rank_alias
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
 from aiosync.handles.scratch import Scratch
+from aiosync.handles.transfer import receive_bucket
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class AiosyncEngine:
         self._committed: int | None = None
         self._pending: _Pending | None = None
         self._last_error = ""
+        self._mixed = False
 
     # --- what the engine serves ---------------------------------------------------------
 
@@ -128,16 +129,24 @@ class AiosyncEngine:
         return self._committed
 
     def check_health(self) -> dict[str, Any]:
-        """``{"healthy", "message", "weight_version", "groups"}``; never blocks on an update."""
-        broken = [
+        """``{"healthy", "servable", "message", "weight_version", "groups"}``; never blocks.
+
+        ``servable`` is False while an in-place sink holds part of a version that failed
+        (until the next version completes); ``healthy`` is False then too, or while a group
+        is broken (reconnect).
+        """
+        problems = [
             f"{group.name}: {ex.broken.reason}"
             for group in list(self._groups.values())
             for ex in group.executors
             if ex.broken is not None
         ]
+        if self._mixed:
+            problems.append("weights mixed by a failed version (in-place sink)")
         return {
-            "healthy": not broken,
-            "message": "; ".join(broken) or self._last_error,
+            "healthy": not problems,
+            "servable": not self._mixed,
+            "message": "; ".join(problems) or self._last_error,
             "weight_version": None if self._committed is None else str(self._committed),
             "groups": sorted(self._groups),
         }
@@ -322,7 +331,7 @@ class AiosyncEngine:
         flattened = load_format == FLATTENED
         futures: list[Future[None]] = [
             ex.submit(
-                functools.partial(_receive_bucket, sink, ex.group, scratch, specs, used, flattened)
+                functools.partial(receive_bucket, sink, ex.group, scratch, specs, used, flattened)
             )
             for ex, sink, scratch in zip(group.executors, self._sinks, group.scratch, strict=True)
         ]
@@ -338,7 +347,7 @@ class AiosyncEngine:
         for ex, future in zip(group.executors, commits, strict=True):
             ex.result(future, deadline=deadline, what="committing", peers=[self.name])
         self._committed, self._pending = version, None
-        self._last_error = ""
+        self._last_error, self._mixed = "", False
         return version
 
     def _complete(self, covered: set[str]) -> bool:
@@ -352,6 +361,8 @@ class AiosyncEngine:
     def _abort_pending(self) -> None:
         if self._pending is None:
             return
+        if self._pending.covered and not all(sink.staged for sink in self._sinks):
+            self._mixed = True
         self._pending = None
         for sink in self._sinks:
             try:
@@ -364,25 +375,3 @@ class AiosyncEngine:
         log.warning("%s", text)
         self._last_error = text
         return False, text
-
-
-def _receive_bucket(
-    sink: WeightSink,
-    group: dist.ProcessGroup | None,
-    scratch: Scratch,
-    specs: list[TensorSpec],
-    used: int,
-    flattened: bool,
-) -> None:
-    """Receive one bucket's broadcasts from rank 0 into the rank's buffer, then apply it."""
-    if group is None:
-        raise AiosyncError("the group is gone")
-    buffer = scratch.get(used, sink.device)
-    if flattened:
-        if used:
-            dist.broadcast(buffer[:used], src=0, group=group)
-    else:
-        for spec in specs:
-            if spec.nbytes:
-                dist.broadcast(view_spec(buffer, spec), src=0, group=group)
-    sink.apply_bucket(buffer, specs)

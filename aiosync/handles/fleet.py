@@ -35,7 +35,7 @@ from aiosync.collectives import (
     token_store,
 )
 from aiosync.core.errors import AiosyncError, RejectedError, SyncTimeoutError, UsageError
-from aiosync.core.layout import BucketPlan, TensorSpec, pack_bucket
+from aiosync.handles import transfer
 from aiosync.handles.base import EngineHandle, WeightSyncResult
 from aiosync.handles.metadata import FLATTENED, bucket_layout, describe
 from aiosync.handles.scratch import Scratch
@@ -206,36 +206,6 @@ async def connect(
     return TrainerGroup(group_name, backend, group, executor, store, list(handles), world_size)
 
 
-def _send_bucket(
-    group: dist.ProcessGroup,
-    scratch: Scratch,
-    tensors: list[torch.Tensor],
-    specs: list[TensorSpec],
-    used: int,
-    flattened: bool,
-) -> None:
-    """Rank 0's broadcasts of one bucket (on the group's executor thread).
-
-    On CUDA it waits for the broadcasts to finish on the device, so the deadline covers them
-    and the tensors may be freed afterwards.
-    """
-    device = tensors[0].device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if flattened:
-        if used:
-            buffer = scratch.get(used, device)
-            pack_bucket(buffer, BucketPlan(tensors, specs, used))
-            dist.broadcast(buffer, src=0, group=group)
-    else:
-        for tensor, spec in zip(tensors, specs, strict=True):
-            if spec.nbytes:
-                plain = tensor.resolve_conj().resolve_neg().contiguous()
-                dist.broadcast(plain, src=0, group=group)
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 async def broadcast_bucket(
     trainer: TrainerGroup,
     bucket: Sequence[tuple[str, torch.Tensor]],
@@ -265,7 +235,7 @@ async def broadcast_bucket(
     pending = set(trainer.engine_names)
     load_format = FLATTENED if flattened else None
     send = functools.partial(
-        _send_bucket, trainer.group, trainer.scratch, tensors, specs, used, flattened
+        transfer.send_bucket, trainer.group, trainer.scratch, tensors, specs, used, flattened
     )
 
     def ask(handle: EngineHandle) -> Awaitable[WeightSyncResult]:
