@@ -223,3 +223,16 @@ async def test_a_trainer_killed_mid_broadcast_leaves_engines_on_their_version() 
             await again.send(mixed_weights(seed=3), version=1)
         for engine in pair:
             assert (await engine.until("committed"))["digests"] == digests(3)
+
+
+def test_overlap_is_for_nccl_only_and_a_failed_rendezvous_fails_the_receive() -> None:
+    spec = msgspec.structs.replace(GOOD, port=1, timeout_ms=200, overlap=True)
+    plane = CollectiveReceiverPlane(spec, torch.device("cpu"))  # opening never blocks
+    try:
+        assert plane.events == []  # Gloo: sinks keep their own device waits
+        with pytest.raises(AiosyncError, match="deadline"):
+            plane.view(0, 64)  # nobody listens on port 1
+        with pytest.raises(AiosyncError):
+            plane.view(1, 64)  # the group stays broken
+    finally:
+        plane.close()

@@ -17,11 +17,13 @@ at once with the same error, and a new group (a new executor) is how to reconnec
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -103,9 +105,10 @@ class GroupExecutor:
         self._jobs: queue.Queue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None]
         self._jobs = queue.Queue(MAX_PENDING)
         self._thread = threading.Thread(target=self._serve, name=f"aiosync-group-{name}")
-        self._thread.daemon = True  # a Gloo collective blocked at exit must not hold the process
+        self._thread.daemon = True  # never held for by threading; see _join_at_exit
         self._started = False
         self._closed = False
+        self._busy = False
         self._lock = threading.Lock()
 
     # --- lifecycle --------------------------------------------------------------------
@@ -115,6 +118,7 @@ class GroupExecutor:
         if not self._started:
             self._started = True
             self._thread.start()
+            _running.add(self)
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the thread and release the group (idempotent).
@@ -293,10 +297,13 @@ class GroupExecutor:
             if self.broken is not None and job != self._release_group:
                 future.set_exception(self.broken)
                 continue
+            self._busy = True
             try:
                 future.set_result(job())
             except BaseException as exc:
                 future.set_exception(exc)
+            finally:
+                self._busy = False
         self._drain()
 
     def _drain(self) -> None:
@@ -326,3 +333,27 @@ class GroupExecutor:
             destroy_side_group(group)
         except Exception as exc:
             log.info("group %s: destroy failed: %s", self.name, exc)
+
+
+_running: weakref.WeakSet[GroupExecutor] = weakref.WeakSet()
+EXIT_GRACE = 5.0
+"""Seconds past a group's timeout that exit waits for its thread (torch's store client
+retries a connection once more after its timeout)."""
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """Let every group thread end before the interpreter does (bounded by its timeout).
+
+    A thread left inside torch's C++ code (a store connect, a Gloo wait) when the process
+    tears down ends it with ``terminate called``; every such wait has a deadline, so this
+    waits at most each ``join_timeout`` plus :data:`EXIT_GRACE`. Groups still busy are
+    broken first, so an NCCL collective returns at once.
+    """
+    for executor in list(_running):
+        if executor.alive:
+            if executor._busy:
+                executor.fail(SyncTimeoutError(f"group {executor.name}: the process exits"))
+            executor.close(wait=False)
+    for executor in list(_running):
+        executor._thread.join(executor.join_timeout + EXIT_GRACE)
