@@ -173,9 +173,10 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
     model = make_model(args.scale, fill=True, device=device)
     total = sum(t.nbytes for t in model.values())
     hosted, token = host_store(timeout=timedelta(seconds=120)), new_token()
-    env = {**child_env(), **SAFE_ENV, "CUDA_VISIBLE_DEVICES": args.engine_gpu}
+    env = {**child_env(), **SAFE_ENV}
     command = [sys.executable, "-m", "aiosync.bench.collective", "--role", "engine"]
     command += ["--port", str(hosted.port), "--token", token, "--scale", str(args.scale)]
+    command += ["--engine-device", args.engine_device]
     command += ["--cpu"] if args.cpu else []
     proc = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -258,11 +259,15 @@ async def _pipeline(
 
 
 def _device(args: argparse.Namespace) -> tuple[str, str]:
-    """The device of this process and the backend: ``cuda:0`` and NCCL, or Gloo on CPUs."""
+    """The device of this process and the backend: a GPU and NCCL, or Gloo on CPUs.
+
+    The engine sees every GPU (its CUDA IPC mode opens the trainer's buffers on GPU 0).
+    """
     if args.cpu:
         return "cpu", "gloo"
-    torch.cuda.set_device(0)
-    return "cuda:0", "nccl"
+    device = args.engine_device if args.role == "engine" else "cuda:0"
+    torch.cuda.set_device(torch.device(device))
+    return device, "nccl"
 
 
 def _ask(proc: subprocess.Popen[str], line: str) -> None:
@@ -295,7 +300,7 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=2)
     parser.add_argument("--modes", default="raw,flat,flat_overlap,per_tensor,ipc")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each tensor")
-    parser.add_argument("--engine-gpu", default="1", help="CUDA_VISIBLE_DEVICES of the engine")
+    parser.add_argument("--engine-device", default="cuda:1")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token", default="")
