@@ -9,8 +9,13 @@ from aiosync.handles.base import EngineHandle
 from aiosync.handles.inproc import ObjectHandle
 from aiosync.handles.ray_actor import RayActorHandle, is_ray_actor
 
-REQUIRED_METHODS = ("init_weights_update_group", "update_weights_from_distributed")
-"""What an engine object must have to be driven in process."""
+UPDATE_METHODS = (
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+)
+"""An engine object driven in process has at least one of these (a colocated engine may
+have only ``update_weights_from_tensor``; calling a method it lacks is a UsageError)."""
 
 
 class NotAnEngineError(AiosyncError, TypeError):
@@ -21,18 +26,19 @@ def as_engine_handle(engine: object, *, name: str | None = None) -> EngineHandle
     """A handle on ``engine``, whatever kind of engine it is.
 
     An :class:`EngineHandle` is returned as is, a Ray actor handle is wrapped in a
-    :class:`RayActorHandle`, an object with the weight-update methods in an
+    :class:`RayActorHandle`, an object with a weight-update method in an
     :class:`ObjectHandle`; anything else is a :class:`NotAnEngineError` (a ``TypeError``).
     """
     if isinstance(engine, EngineHandle):
         return engine
     if is_ray_actor(engine):
         return RayActorHandle(engine, name=name)
-    if all(callable(getattr(engine, method, None)) for method in REQUIRED_METHODS):
+    if any(callable(getattr(engine, method, None)) for method in UPDATE_METHODS):
         return ObjectHandle(engine, name=name)
     raise NotAnEngineError(
         f"{type(engine).__name__} is not a rollout engine: expected an aiosync EngineHandle, "
-        f"a Ray actor handle, or an object with {' and '.join(REQUIRED_METHODS)}()",
+        f"a Ray actor handle, or an object with a weight-update method "
+        f"({', '.join(UPDATE_METHODS)})",
         peer=name,
     )
 
