@@ -93,6 +93,10 @@ def bench(args: argparse.Namespace) -> int:
             f"per tensor; longest stall {small['trainer_stall_ms']:.1f} ms (trainer), "
             f"{small['engine_stall_ms']:.1f} ms (engine)"
         )
+    if device in ("cuda", "cuda:0") and not args.skip_baselines:  # drop-in, lock-step
+        from aiosync.bench import cuda_cases
+
+        out["cuda_cases"] = cuda_cases.measure(args.size_mb, args.buffer_mb, args.repeats, say)
     if not args.skip_baselines:
         state = model.synthetic_state_dict(nbytes_target)
         out["torch_save_zmq"] = baselines.measure_torch_save_zmq(state, repeats=args.repeats)
