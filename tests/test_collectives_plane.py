@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from aiosync import AiosyncError, SenderConfig
-from aiosync.core.errors import ProtocolError
+from aiosync.core.errors import ProtocolError, UsageError
 from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.planes.collective import CollectiveOptions, CollectiveReceiverPlane, check_spec
 from aiosync.runtime import child_env
@@ -236,3 +236,9 @@ def test_overlap_is_for_nccl_only_and_a_failed_rendezvous_fails_the_receive() ->
             plane.view(1, 64)  # the group stays broken
     finally:
         plane.close()
+
+
+def test_the_engines_given_must_fill_the_group() -> None:
+    with pytest.raises(UsageError, match="2 engines given for a group of 3"):
+        CollectiveSender(["ipc:///a", "ipc:///b"], collective=CollectiveOptions(engines=3))
+    CollectiveSender((), collective=CollectiveOptions(engines=3))  # added later: not checked

@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from aiosync.channels.keys import ChannelAuth
+from aiosync.core.errors import UsageError
 from aiosync.planes import making_planes
 from aiosync.planes.collective import CollectiveOptions, CollectiveSenderPlane
 from aiosync.trainer.sender import SenderConfig, Target, WeightSender
@@ -29,8 +30,9 @@ from aiosync.trainer.sender import SenderConfig, Target, WeightSender
 class CollectiveSender(WeightSender):
     """A sender whose data plane is a broadcast over a new side process group.
 
-    ``collective`` says how many engine ranks join (``engines``, one per engine here),
-    the backend, where the rendezvous listens, the mode and the per-broadcast timeout.
+    ``collective`` says how many engine ranks join (``engines``, one per engine here; the
+    engines given must be that many), the backend, where the rendezvous listens, the mode
+    and the per-broadcast timeout.
     ``device``: ``"cpu"`` for Gloo, a CUDA device for NCCL.
     """
 
@@ -45,6 +47,12 @@ class CollectiveSender(WeightSender):
     ) -> None:
         super().__init__(engines, device=device, config=config, auth=auth)
         self.collective = collective
+        many = isinstance(engines, Sequence) and not isinstance(engines, str)
+        given = len(engines) if many else 1  # type: ignore[arg-type]
+        if given and given != collective.engines:  # the group would wait for ranks in vain
+            raise UsageError(
+                f"{given} engines given for a group of {collective.engines} engine ranks"
+            )
 
     async def __aenter__(self) -> CollectiveSender:
         maker = partial(_make, options=self.collective)
