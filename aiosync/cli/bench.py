@@ -5,6 +5,9 @@ Cases, each a trainer process and engine processes on this machine:
   or a device copy (GPU) measured in the same run;
 - ``--engines N``: the same model to N engines at once, and its time over the one-engine time;
 - ``--per-tensor N``: N one-element tensors, in microseconds per tensor.
+- ``--device cuda`` (or ``cuda:0``), unless ``--skip-baselines``: the CUDA cases of
+  :mod:`aiosync.bench.cuda_cases` (the NeMo-RL drop-in, a lock-step baseline, the one- and
+  two-copy floors, with the default allocator and with expandable segments).
 Every case reports the longest event-loop stall on each side (a 1 ms heartbeat's longest gap).
 """
 
