@@ -103,6 +103,8 @@ class RetentionStore:
         self._pending: list[RetainedBucket] = []
         self._changed = threading.Condition()
         self._closed = False
+        self._pool: dict[int, list[ShmSegment]] = {}  # released segments by size
+        self._pool_bytes = 0
         self.memory_waits = 0  # buckets that had to wait for a pin to go
 
     @property
@@ -127,11 +129,48 @@ class RetentionStore:
         for version in versions:
             retained = self._versions.pop(version, None)
             if retained is not None:
-                log.info("version %d leaves retention", version)
-                retained.close()
+                log.debug("version %d leaves retention", version)
+                for bucket in retained.buckets:
+                    self._recycle(bucket.segment)
+
+    def _recycle(self, segment: ShmSegment) -> None:
+        """Keep a released segment for the next version's bucket of the same size.
+
+        At most one version's bytes are kept (the newest retained version's size): a
+        steady stream of same-shaped versions then reuses memory that is already
+        allocated and mapped, instead of reserving, faulting in and unmapping it again.
+        """
+        newest = self.book.newest
+        keep = 0 if newest is None else self.book.bytes_of(newest)
+        if self._pool_bytes + segment.size > keep or self._closed:
+            segment.close()
+            return
+        self._pool.setdefault(segment.size, []).append(segment)
+        self._pool_bytes += segment.size
+
+    def _reuse(self, size: int) -> ShmSegment | None:
+        """A kept segment of exactly ``size`` bytes; under ``max_bytes``, drop kept ones."""
+        found = self._pool.get(size)
+        segment = found.pop() if found else None
+        if segment is not None:
+            self._pool_bytes -= size
+        limit = self.book.policy.max_bytes
+        while limit is not None and self._pool and self.book.used_bytes + self._pool_bytes > limit:
+            spare_size, spare = next(iter(self._pool.items()))
+            spare.pop().close()
+            self._pool_bytes -= spare_size
+            if not spare:
+                del self._pool[spare_size]
+        if found is not None and not found:
+            self._pool.pop(size, None)
+        return segment
 
     def add_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
-        """Copy one bucket of the pending version into a new segment (a worker thread)."""
+        """Copy one bucket of the pending version into a segment of its own (a worker thread).
+
+        The segment is one a retired version released, when one of this size is kept, or
+        a new one.
+        """
         used = bucket.numel()
         deadline = time.monotonic() + self.memory_timeout
         with self._changed:
@@ -153,15 +192,16 @@ class RetentionStore:
                         f"{self.book.used_bytes} bytes held, every older version in flight "
                         "to a subscriber"
                     )
+            segment = self._reuse(used)
         try:
-            if memfd_available() and os.environ.get(BACKEND_ENV, "").strip().lower() != "file":
-                segment = ShmSegment.create(used, backend="memfd")
-            else:
-                segment = ShmSegment.create(used, backend="file")
+            if segment is None:
+                segment = _new_segment(used)
             segment.tensor.copy_(bucket.reshape(-1))
         except BaseException:
             with self._changed:
                 self.book.pending -= used
+                if segment is not None:
+                    self._recycle(segment)
             raise
         with self._changed:
             self._pending.append(RetainedBucket(segment, used, list(specs)))
@@ -182,9 +222,9 @@ class RetentionStore:
         with self._changed:
             buckets, self._pending = self._pending, []
             self.book.abort()
+            for bucket in buckets:
+                self._recycle(bucket.segment)
             self._changed.notify_all()
-        for bucket in buckets:
-            bucket.segment.close()
 
     def pin(self, version: int) -> RetainedVersion | None:
         """Hold a retained version for a transfer (None if it is no longer retained)."""
@@ -206,10 +246,20 @@ class RetentionStore:
             versions, self._versions = list(self._versions.values()), {}
             buckets, self._pending = self._pending, []
             self._changed.notify_all()
+            pool = [segment for kept in self._pool.values() for segment in kept]
+            self._pool.clear()
+            self._pool_bytes = 0
         for retained in versions:
             retained.close()
-        for bucket in buckets:
-            bucket.segment.close()
+        for segment in [bucket.segment for bucket in buckets] + pool:
+            segment.close()
+
+
+def _new_segment(size: int) -> ShmSegment:
+    """A sealed memfd (a file in ``/dev/shm`` where memfds cannot be made or are refused)."""
+    if memfd_available() and os.environ.get(BACKEND_ENV, "").strip().lower() != "file":
+        return ShmSegment.create(size, backend="memfd")
+    return ShmSegment.create(size, backend="file")
 
 
 class RetainingSink:

@@ -9,7 +9,7 @@ one. Versions arrive as weight streams from the server to the receiver's endpoin
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 
@@ -110,6 +110,7 @@ class Subscriber:
     subscribes without taking versions until :meth:`fetch` or :meth:`follow`. ``endpoint``
     is where the receiver binds (default: ``ipc://`` in a private directory; a ``tcp://``
     one takes ``receiver_auth``); ``auth`` reaches the server's control endpoint.
+    ``on_commit(version)`` runs in a worker thread after each commit.
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class Subscriber:
         auth: ChannelAuth | None = None,
         receiver_auth: ChannelAuth | None = None,
         timeout: float = 30.0,
+        on_commit: Callable[[int], object] | None = None,
     ) -> None:
         self.server = server
         self.name = name
@@ -132,6 +134,7 @@ class Subscriber:
         self._follow = follow
         self._receiver_auth = receiver_auth
         self._stack: AsyncExitStack | None = None
+        self._user_on_commit = on_commit
         self._committed = anyio.Event()
         self.receiver = WeightReceiver(
             sink, endpoint, config=config, auth=receiver_auth, on_commit=self._on_commit
@@ -140,6 +143,8 @@ class Subscriber:
 
     def _on_commit(self, version: int) -> None:  # a worker thread
         anyio.from_thread.run_sync(self._bump)
+        if self._user_on_commit is not None:
+            self._user_on_commit(version)
 
     def _bump(self) -> None:
         self._committed.set()
