@@ -11,8 +11,9 @@ helper adds it). A store made by :mod:`aiosync.collectives.rendezvous` adds one 
 holding a random token, so that a peer who reaches the store but was never told the token
 (over aiosync's authenticated control channel) cannot take part in the rendezvous.
 
-Everything here touches torch's private ``distributed_c10d`` module in one place, checked
-against torch 2.4 to 2.13.
+Everything here touches torch's private ``distributed_c10d`` module in one place (written
+against torch 2.13's source, tested with 2.13 on CPU; the helper's argument renamed in 2.6
+is handled).
 """
 
 from __future__ import annotations
