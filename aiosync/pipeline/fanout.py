@@ -40,6 +40,8 @@ class _Packed:
     index: int
     payload: bytes
     plan: BucketPlan
+    tensors: int = 0  # whole tensors and last chunks (counted in the packing thread)
+    nbytes: int = 0  # tensor bytes carried
 
 
 class BucketFanout:
@@ -81,7 +83,7 @@ class BucketFanout:
         free_tx, free_rx = anyio.create_memory_object_stream[int](count)
         for index in range(count):
             free_tx.send_nowait(index)
-        ledger: BufferLedger[BucketPlan] = BufferLedger()
+        ledger: BufferLedger[_Packed] = BufferLedger()
         outboxes: dict[str, Sending[_Packed]] = {}
         async with free_tx, free_rx, anyio.create_task_group() as tg:
             for name in self.vote.live:
@@ -95,7 +97,7 @@ class BucketFanout:
         self,
         plans: Iterator[BucketPlan],
         ring: tuple[Sending[int], Receiving[int]],
-        ledger: BufferLedger[BucketPlan],
+        ledger: BufferLedger[_Packed],
         outboxes: dict[str, Sending[_Packed]],
     ) -> None:
         freed, free = ring
@@ -120,7 +122,7 @@ class BucketFanout:
                     return
                 await self.plane.publish(index, packed.plan.used)
                 live = self.vote.live
-                ledger.hold(index, live, packed.plan)
+                ledger.hold(index, live, packed)
                 for name in live:
                     try:
                         outboxes[name].send_nowait(packed)
@@ -155,14 +157,15 @@ class BucketFanout:
             ) from exc
         plan.tensors.clear()  # packed: a generator's tensors may be freed now
         self.sent_buckets += 1
-        self.sent_tensors += plan.whole_tensors
+        tensors = plan.whole_tensors
+        self.sent_tensors += tensors
         seq = self.sent_buckets
         if self.manifest is not None:
             slots = [self._slot(spec) for spec in plan.specs]
             bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
         else:
             bucket = Bucket(self.version, seq, index, plan.used, specs=plan.specs)
-        return _Packed(seq, index, encode(bucket), plan)
+        return _Packed(seq, index, encode(bucket), plan, tensors, plan.payload_bytes)
 
     def _slot(self, spec: TensorSpec) -> Slot:
         if self._entries is None:
@@ -176,7 +179,7 @@ class BucketFanout:
         self,
         link: EngineLink,
         outbox: Receiving[_Packed],
-        ledger: BufferLedger[BucketPlan],
+        ledger: BufferLedger[_Packed],
         free: Sending[int],
         begin: bytes | None,
     ) -> None:
@@ -193,8 +196,8 @@ class BucketFanout:
                 tg.start_soon(self._send_loop, link, outbox, inflight_tx)
                 await self._ack_loop(link, inflight_rx, ledger, free)
         except BaseException:
-            for index, plan in ledger.drop(link.name):
-                self._bucket_done(plan)
+            for index, done in ledger.drop(link.name):
+                self._bucket_done(done)
                 free.send_nowait(index)
             raise
 
@@ -225,7 +228,7 @@ class BucketFanout:
         self,
         link: EngineLink,
         inflight: Receiving[_Packed],
-        ledger: BufferLedger[BucketPlan],
+        ledger: BufferLedger[_Packed],
         free: Sending[int],
     ) -> None:
         async with inflight:
@@ -240,16 +243,19 @@ class BucketFanout:
                     continue
                 if self._consumed is not None:  # reuse waits for the engine's CUDA event
                     self._consumed(packed.index, link.events)
-                plan = ledger.release(packed.index, link.name)
-                if plan is not None:
-                    self._bucket_done(plan)
+                done = ledger.release(packed.index, link.name)
+                if done is not None:
+                    self._bucket_done(done)
                     free.send_nowait(packed.index)
 
-    def _bucket_done(self, plan: BucketPlan) -> None:
+    def _bucket_done(self, packed: _Packed) -> None:
+        """Count an acked bucket (from figures the packing thread took: no per-tensor work)."""
         done = self.acked
-        tensors = plan.whole_tensors
         self.acked = SyncProgress(
-            self.version, done.buckets + 1, done.tensors + tensors, done.bytes + plan.payload_bytes
+            self.version,
+            done.buckets + 1,
+            done.tensors + packed.tensors,
+            done.bytes + packed.nbytes,
         )
         if self.progress is not None:
             self.progress(self.acked)
