@@ -170,8 +170,22 @@ async def test_the_commit_ack_waits_for_the_swap_unless_acked_at_staging(
             acked[version] = receiver.current_version
             done[version].set()
 
+        probes = [0]
+        stop = anyio.Event()
+
+        async def probe() -> None:  # throughout: what a lease reports is what it reads
+            while not stop.is_set():
+                async with receiver.serving() as seen:
+                    assert seen == receiver.current_version
+                    before = reads(model)
+                    await anyio.sleep(0)  # let the receiver run mid-request
+                    assert before == reads(model) == {float(seen or 0)}
+                    probes[0] += 1
+                await anyio.sleep(0.001)
+
         await sender.send(weights(1.0), version=1)
         async with anyio.create_task_group() as tg:
+            tg.start_soon(probe)
             async with receiver.serving() as version:
                 tg.start_soon(send, 2)
                 with anyio.fail_after(10):
@@ -193,12 +207,16 @@ async def test_the_commit_ack_waits_for_the_swap_unless_acked_at_staging(
                 async with receiver.serving() as version:
                     assert version is not None
                     assert reads(model) == {float(version)}
+                if ack_at == "staged":
+                    await done[3].wait()
+            stop.set()
         if ack_at == "live":
             assert acked[2] == 2  # acknowledged once live
         else:
             assert acked[3] in (2, 3)  # acknowledged when staged: live a moment later
             await receiver.wait_for_version(3, timeout=10)
             assert reads(model) == {3.0}
+    assert probes[0] > 0
     assert receiver.current_version == (3 if ack_at == "staged" else 2)
     assert receiver.swap_stats.committed == (3 if ack_at == "staged" else 2)
     assert receiver.swap_stats.longest_wait > 0
