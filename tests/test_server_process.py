@@ -147,3 +147,4 @@ async def test_metrics_and_health_on_loopback() -> None:
         assert float(values["aiosync_bytes_served_total"]) == published >= nbytes  # + padding
         assert 'aiosync_engine_version{engine="e0"} 1.0' in metrics
         assert 'aiosync_stage_seconds_count{stage="transfer"} 1.0' in metrics
+        assert 'aiosync_stage_seconds_count{stage="publish"} 1.0' in metrics

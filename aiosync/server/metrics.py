@@ -22,8 +22,8 @@ from aiosync.core.errors import UsageError
 log = logging.getLogger(__name__)
 
 STAGES = ("publish", "transfer", "late_join")
-"""Latency histograms: a publisher's version until held, a transfer to one engine, and a
-new engine's wait from subscribing to its first version."""
+"""Latency histograms: a published version from its first bucket to retained, a transfer
+to one engine, and a new engine's wait from subscribing to its first version."""
 
 
 def _require() -> Any:

@@ -233,6 +233,8 @@ class WeightServer:
             self.metrics.published.inc()
             self.metrics.newest.set(version)
             self.metrics.bytes_in.inc(self.store.book.bytes_of(version))
+            if self.store.last_publish_seconds is not None:
+                self.metrics.latency.labels("publish").observe(self.store.last_publish_seconds)
         self._notify()
 
     # --- control channel --------------------------------------------------------------

@@ -105,6 +105,8 @@ class RetentionStore:
         self._closed = False
         self._pool: dict[int, list[ShmSegment]] = {}  # released segments by size
         self._pool_bytes = 0
+        self._first_bucket: float | None = None
+        self.last_publish_seconds: float | None = None  # first bucket to commit, last version
         self.memory_waits = 0  # buckets that had to wait for a pin to go
 
     @property
@@ -205,12 +207,17 @@ class RetentionStore:
             raise
         with self._changed:
             self._pending.append(RetainedBucket(segment, used, list(specs)))
+            if self._first_bucket is None:
+                self._first_bucket = time.perf_counter()
 
     def commit(self, version: int) -> RetainedVersion:
         """The pending version is retained as ``version`` (older ones may leave)."""
         with self._changed:
             buckets, self._pending = self._pending, []
+            first, self._first_bucket = self._first_bucket, None
         retained = index_version(version, buckets)
+        if first is not None:
+            self.last_publish_seconds = time.perf_counter() - first
         with self._changed:
             self._versions[version] = retained
             self._evict(self.book.commit(version))
@@ -221,6 +228,7 @@ class RetentionStore:
         """Drop the pending version."""
         with self._changed:
             buckets, self._pending = self._pending, []
+            self._first_bucket = None
             self.book.abort()
             for bucket in buckets:
                 self._recycle(bucket.segment)
