@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,12 @@ class EngineProcess:
         self.seen: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.endpoint: str = self.wait_for("ready")["endpoint"]
+        self.endpoint = ""
+
+    def ready(self) -> EngineProcess:
+        """Wait for the engine's ``ready`` line; return self."""
+        self.endpoint = self.wait_for("ready")["endpoint"]
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -67,7 +72,21 @@ class EngineProcess:
 
 @contextmanager
 def engine_process(*args: str) -> Iterator[EngineProcess]:
-    """``python -m tests.handle_engine ARGS``; its stdin is closed and it is reaped at exit."""
+    """``python -m tests.handle_engine ARGS``, ready; its stdin is closed and it is reaped."""
+    with _started(*args) as engine:
+        yield engine.ready()
+
+
+@contextmanager
+def engine_processes(*argsets: tuple[str, ...]) -> Iterator[list[EngineProcess]]:
+    """One engine per argument tuple, started at once (their imports overlap), all ready."""
+    with ExitStack() as stack:
+        engines = [stack.enter_context(_started(*args)) for args in argsets]
+        yield [engine.ready() for engine in engines]
+
+
+@contextmanager
+def _started(*args: str) -> Iterator[EngineProcess]:
     env = child_env()
     env["GLOO_SOCKET_IFNAME"] = "lo"
     proc = subprocess.Popen(

@@ -26,7 +26,7 @@ from aiosync.compat.distributed import (
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import ChannelHandle
 from aiosync.runtime import child_env, stop_process
-from tests.handle_peers import ROOT, engine_process
+from tests.handle_peers import ROOT, engine_process, engine_processes
 from tests.models import digest, mixed_weights
 
 BUCKET = 128 * 1024
@@ -70,7 +70,7 @@ def _send(
 def test_two_engines_one_of_two_ranks_bit_exact_then_disconnect_twice_and_reconnect(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with engine_process("--ranks", "1") as one, engine_process("--ranks", "2") as two:
+    with engine_processes(("--ranks", "1"), ("--ranks", "2")) as (one, two):
         handles = _handles(one, two)
         ranks = [(one, 0), (two, 0), (two, 1)]
         try:
@@ -112,7 +112,7 @@ def test_engine_killed_mid_broadcast_ends_within_deadline_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(distributed.TIMEOUT_ENV, "20")
-    with engine_process("--ranks", "1") as good, engine_process("--hang-in-apply") as bad:
+    with engine_processes(("--ranks", "1"), ("--hang-in-apply",)) as (good, bad):
         handles = _handles(good, bad)
         try:
             group = connect_rollout_engines_from_distributed(
@@ -156,8 +156,8 @@ def test_engine_killed_mid_broadcast_ends_within_deadline_naming_it(
 def test_engine_frozen_mid_broadcast_times_out_naming_it_and_disconnect_completes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    deadline = 5.0
-    with engine_process("--ranks", "1") as good, engine_process("--hang-in-apply") as frozen:
+    deadline = 4.0
+    with engine_processes(("--ranks", "1"), ("--hang-in-apply",)) as (good, frozen):
         handles = _handles(good, frozen)
         try:
             group = connect_rollout_engines_from_distributed(

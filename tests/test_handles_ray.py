@@ -19,6 +19,7 @@ from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import RayActorHandle, as_engine_handle
 from aiosync.handles.engine import AiosyncEngine
 from tests.models import digest, mixed_weights
+from tests.ray_lock import LockActor
 
 ray = pytest.importorskip("ray")
 
@@ -37,26 +38,6 @@ class EngineActor(AiosyncEngine):
 
     def digests(self) -> list[dict[str, str]]:
         return [{n: digest(t) for n, t in model.items()} for model in self.models]
-
-
-class LockActor:
-    """A rollout-engine lock as NeMo-RL-style trainers keep one: acquire() says yes or no."""
-
-    def __init__(self) -> None:
-        self.held = False
-        self.times = 0
-
-    def acquire(self) -> bool:
-        if self.held:
-            return False
-        self.held, self.times = True, self.times + 1
-        return True
-
-    def release(self) -> None:
-        self.held = False
-
-    def state(self) -> tuple[bool, int]:
-        return self.held, self.times
 
 
 @pytest.fixture(scope="module")

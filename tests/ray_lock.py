@@ -1,0 +1,23 @@
+"""A rollout-engine lock as a Ray actor, in a module of its own so its worker imports little."""
+
+from __future__ import annotations
+
+
+class LockActor:
+    """A rollout-engine lock as NeMo-RL-style trainers keep one: acquire() says yes or no."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.times = 0
+
+    def acquire(self) -> bool:
+        if self.held:
+            return False
+        self.held, self.times = True, self.times + 1
+        return True
+
+    def release(self) -> None:
+        self.held = False
+
+    def state(self) -> tuple[bool, int]:
+        return self.held, self.times
