@@ -321,3 +321,10 @@ async def test_only_a_commit_that_moves_no_bytes_runs_on_the_event_loop(
     }[case]
     assert calls == expected
     assert held is None or torch.equal(held["layers.0.weight"], trainer.layers[0].weight)
+
+
+def test_weights_off_the_cpu_are_always_committed_in_a_worker_thread() -> None:
+    # their commit waits for the device's queued copies: never on the event loop
+    sink = ModuleSink({"w": torch.empty(4, device="meta")}, staged=True, swap="pointer")
+    assert not sink.commit_quickly(0)
+    assert ModuleSink({"w": torch.zeros(4)}).commit_quickly(0)  # in place on the CPU: nothing

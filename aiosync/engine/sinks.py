@@ -119,6 +119,7 @@ class ModuleSink:
         first = next(iter(self.targets.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._devices = {t.device for t in self.targets.values()}
+        self._on_cpu = all(device.type == "cpu" for device in self._devices)
         self._staged = staged
         if swap not in SWAPS:
             raise ValueError(f"swap must be one of {SWAPS}, got {swap!r}")
@@ -247,11 +248,12 @@ class ModuleSink:
     def commit_quickly(self, version: int) -> bool:
         """Commit now if no byte has to move (in place, or every tensor swaps by pointer).
 
-        Returns False, having done nothing, otherwise (call :meth:`commit`), and always for
-        a subclass that overrides :meth:`commit`. The receiver calls it on its event loop
-        to spare a pointer swap the hop to a worker thread.
+        Returns False, having done nothing, otherwise (call :meth:`commit`), always for a
+        subclass that overrides :meth:`commit`, and for weights on a GPU (their commit waits
+        for the device's copies, which a CUDA plane ordered by events leaves queued). The
+        receiver calls it on its event loop to spare a pointer swap the hop to a thread.
         """
-        if type(self).commit is not ModuleSink.commit:
+        if type(self).commit is not ModuleSink.commit or not self._on_cpu:
             return False
         if self._staging is None:
             self._committed(())
