@@ -123,19 +123,19 @@ class Staging:
         group = self.members[key]
         live = group[0]
         placed = self._placed.get(key)
-        # the storage this sink made live: count its holders (+ 1, our standby)
-        if placed is not None and placed[0] == live.untyped_storage()._cdata:
-            return bool(_USE_COUNT(placed[0]) - 1 <= len(group) + 1)  # type: ignore[misc]
+        storage = live.untyped_storage()  # held while counting: its holders count it once
+        if placed is not None and placed[0] == storage._cdata:  # a storage this sink placed
+            return bool(_holders(storage) <= len(group) + 1)  # type: ignore[operator]
         shadow = self.shadow[key]
         if live.is_meta or live.storage_offset() != 0:
             return False
         if not (live.is_contiguous() and shadow.is_contiguous()):
             return False
-        storage = live.untyped_storage()
         if storage.nbytes() != live.nbytes or live.nbytes == 0:
             return False
         holders = _holders(storage)
         if holders is None or holders > len(group):
+            self._placed.pop(key, None)
             return False
         # from now on: [the live storage, a tensor holding it, the shadow's storage]
         self._placed[key] = [storage._cdata, live.data, shadow.untyped_storage()._cdata]
