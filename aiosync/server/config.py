@@ -22,7 +22,9 @@ class ServerConfig:
     ``window`` the buckets awaiting a subscriber's ack; ``max_subscribers`` the
     subscriptions at once; ``memory_timeout`` how long a publisher's bucket waits for room.
     ``metrics_port`` (None: off) serves ``/metrics`` and ``/healthz`` on ``metrics_host``,
-    which must be loopback.
+    which must be loopback. ``upstream`` makes this server a relay: it pulls every new
+    version from that server's control endpoint (``upstream_auth``: its CURVE client keys)
+    and serves it here (:mod:`aiosync.server.relay`).
     """
 
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
@@ -39,6 +41,8 @@ class ServerConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     name: str = ""
+    upstream: str | None = None
+    upstream_auth: ChannelAuth | None = None
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.max_wait, self.memory_timeout) <= 0:

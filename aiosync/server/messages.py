@@ -15,6 +15,10 @@ message        direction   meaning
 ``status``     S -> C      the answer: newest, retained, each engine's version and lag
 ``refused``    S -> C      a request refused, with the reason
 ``closing``    S -> C      the server is shutting down
+``pull``       R -> S      (a relay) the newest version newer than mine, as a ``head``
+``get``        R -> S      (a relay) one bucket's bytes, answered by ``chunk`` messages
+``head``       S -> R      a version's buckets: bytes used, content digest, specs
+``chunk``      S -> R      a range of a bucket's bytes
 =============  ==========  ==========================================================
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import msgspec
 
 from aiosync.core.errors import ProtocolError
+from aiosync.core.layout import TensorSpec
 
 
 class Subscribe(msgspec.Struct, frozen=True, tag="subscribe"):
@@ -94,12 +99,60 @@ class Closing(msgspec.Struct, frozen=True, tag="closing"):
     reason: str
 
 
-Request = Subscribe | Fetch | Follow | StatusRequest | Wait
-Reply = Status | Refused | Closing
+class Pull(msgspec.Struct, frozen=True, tag="pull"):
+    """Relay -> server: the newest retained version newer than ``have``, as a :class:`Head`.
+
+    Waits at most ``timeout`` seconds for one (then ``refused``). The version stays pinned
+    for this channel until its next pull or until the channel ends.
+    """
+
+    have: int | None
+    timeout: float
+
+
+class Get(msgspec.Struct, frozen=True, tag="get"):
+    """Relay -> server: the bytes of bucket ``bucket`` of the pulled ``version``."""
+
+    version: int
+    bucket: int
+
+
+class BucketHead(msgspec.Struct, frozen=True, array_like=True):
+    """One retained bucket: bytes used, content digest (BLAKE2b-256) and specs."""
+
+    used: int
+    digest: bytes
+    specs: list[TensorSpec]
+
+
+class Head(msgspec.Struct, frozen=True, tag="head"):
+    """Server -> relay: a retained version's buckets, each identified by its content."""
+
+    version: int
+    buckets: list[BucketHead]
+
+
+class Chunk(msgspec.Struct, frozen=True, tag="chunk"):
+    """Server -> relay: ``data`` is bytes ``[offset, offset + len(data))`` of a bucket."""
+
+    version: int
+    bucket: int
+    offset: int
+    data: bytes
+
+
+Request = Subscribe | Fetch | Follow | StatusRequest | Wait | Pull | Get
+Reply = Status | Refused | Closing | Head | Chunk
 ControlMessage = Request | Reply
 
 MAX_CONTROL_BYTES = 1 << 20
-"""Largest control message either side accepts."""
+"""Largest request a server accepts (and reply a client accepts, unless it says more)."""
+
+CHUNK_BYTES = 4 << 20
+"""Bucket bytes per :class:`Chunk`."""
+
+MAX_RELAY_REPLY = 256 << 20
+"""Largest reply a relay accepts (a :class:`Head` of a version with many tensors)."""
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
@@ -111,9 +164,9 @@ def encode(message: ControlMessage) -> bytes:
     return _encoder.encode(message)
 
 
-def _check(data: bytes) -> None:
-    if len(data) > MAX_CONTROL_BYTES:
-        raise ProtocolError(f"{len(data)}-byte control message (most {MAX_CONTROL_BYTES})")
+def _check(data: bytes, limit: int = MAX_CONTROL_BYTES) -> None:
+    if len(data) > limit:
+        raise ProtocolError(f"{len(data)}-byte control message (most {limit})")
 
 
 def _undecodable(data: bytes, exc: Exception) -> ProtocolError:
@@ -129,9 +182,9 @@ def decode_request(data: bytes) -> Request:
         raise _undecodable(data, exc) from None
 
 
-def decode_reply(data: bytes) -> Reply:
-    """A server's reply; :class:`ProtocolError` if malformed or too large."""
-    _check(data)
+def decode_reply(data: bytes, limit: int = MAX_CONTROL_BYTES) -> Reply:
+    """A server's reply; :class:`ProtocolError` if malformed or over ``limit`` bytes."""
+    _check(data, limit)
     try:
         return _replies.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:

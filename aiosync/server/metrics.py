@@ -14,10 +14,13 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from contextlib import AsyncExitStack, ExitStack
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from aiosync.core.errors import UsageError
+from aiosync.server.config import ServerConfig
+from aiosync.server.fleet import FleetBook
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,13 @@ class ServerMetrics:
         """Record one engine's version and lag (-1: none yet)."""
         self.engine_version.labels(name).set(-1 if version is None else version)
         self.engine_lag.labels(name).set(-1 if lag is None else lag)
+
+    def update(self, fleet: FleetBook, retained_bytes: int) -> None:
+        """Record every engine's version and lag, how many there are, and memory held."""
+        for state in fleet.subscribers.values():
+            self.engine(state.name, state.version, fleet.lag(state.name))
+        self.engines.set(len(fleet.subscribers))
+        self.retained_bytes.set(retained_bytes)
 
     def forget(self, names: Iterable[str]) -> None:
         """Drop the per-engine series of engines that left."""
@@ -158,3 +168,26 @@ class MetricsEndpoint:
             self._server.shutdown()
             self._thread.join()
         self._server.server_close()
+
+
+def open_metrics(
+    stack: ExitStack | AsyncExitStack,
+    config: ServerConfig,
+    health: Callable[[], tuple[bool, dict[str, Any]]],
+) -> tuple[ServerMetrics | None, MetricsEndpoint | None]:
+    """The server's metrics and its HTTP endpoint (started, closed with ``stack``).
+
+    Without prometheus-client: no metrics, or a UsageError when an endpoint is asked for.
+    """
+    try:
+        metrics = ServerMetrics()
+    except UsageError:
+        if config.metrics_port is not None:
+            raise
+        return None, None
+    if config.metrics_port is None:
+        return metrics, None
+    http = MetricsEndpoint(metrics, health, config.metrics_host, config.metrics_port)
+    stack.callback(http.close)
+    http.start()
+    return metrics, http

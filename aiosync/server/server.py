@@ -30,6 +30,7 @@ from aiosync.server import messages as m
 from aiosync.server.config import ServerConfig
 from aiosync.server.feed import gone_while_idle, is_refusal, send_version
 from aiosync.server.fleet import FleetBook, SubscriberState, subscription_problem
+from aiosync.server.relay import Relay, RelayDesk
 from aiosync.server.store import RetainingSink, RetentionStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class WeightServer:
             self.config.retention, memory_timeout=self.config.memory_timeout
         )
         self.fleet = FleetBook()
+        self.relays = RelayDesk(self.store, lambda: self._changed)
+        self.relay: Relay | None = None  # pulling from the upstream, when one is configured
         self.metrics: Any = None
         self._receiver: WeightReceiver | None = None
         self._listener: Any = None
@@ -140,10 +143,7 @@ class WeightServer:
         self._changed.set()
         self._changed = anyio.Event()
         if self.metrics is not None:
-            for s in self.fleet.subscribers.values():
-                self.metrics.engine(s.name, s.version, self.fleet.lag(s.name))
-            self.metrics.engines.set(len(self.fleet.subscribers))
-            self.metrics.retained_bytes.set(self.store.used_bytes)
+            self.metrics.update(self.fleet, self.store.used_bytes)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -152,7 +152,9 @@ class WeightServer:
         stack = AsyncExitStack()
         try:
             stack.callback(self.store.close)
-            await self._open_metrics(stack)
+            from aiosync.server.metrics import open_metrics
+
+            self.metrics, self._http = open_metrics(stack, self.config, self.health)
             from aiosync.channels.zmq import ZmqListener
 
             self._listener = ZmqListener.open(
@@ -172,6 +174,16 @@ class WeightServer:
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
             stack.push_async_callback(self._shut_down)
             self._tasks.start_soon(self._accept)
+            if self.config.upstream is not None:
+                relay = Relay(
+                    self.config.upstream,
+                    self.store,
+                    self._published,
+                    auth=self.config.upstream_auth,
+                    timeout=self.config.timeout,
+                )
+                self.relay = relay
+                self._tasks.start_soon(relay.run)
         except BaseException:
             await stack.aclose()
             raise
@@ -193,22 +205,6 @@ class WeightServer:
         if stack is not None:
             await stack.__aexit__(exc_type, exc, tb)
         self._receiver = self._listener = self._tasks = None
-
-    async def _open_metrics(self, stack: AsyncExitStack) -> None:
-        try:
-            from aiosync.server.metrics import MetricsEndpoint, ServerMetrics
-
-            self.metrics = ServerMetrics()
-        except UsageError:
-            if self.config.metrics_port is not None:
-                raise
-            return
-        if self.config.metrics_port is not None:
-            self._http = MetricsEndpoint(
-                self.metrics, self.health, self.config.metrics_host, self.config.metrics_port
-            )
-            stack.callback(self._http.close)
-            self._http.start()
 
     async def _shut_down(self) -> None:
         """Tell subscribers, then stop every task (transfers in flight are aborted)."""
@@ -247,11 +243,8 @@ class WeightServer:
             self._tasks.start_soon(self._control, channel)
 
     async def _reply(self, channel: Channel, message: m.Reply) -> None:
-        with anyio.move_on_after(REPLY_TIMEOUT):
-            try:
-                await channel.send(m.encode(message))
-            except AiosyncError as exc:
-                log.info("could not reply to %s: %s", channel.peer, exc)
+        with anyio.move_on_after(REPLY_TIMEOUT), suppress(AiosyncError):
+            await channel.send(m.encode(message))  # a peer gone meanwhile: nothing to do
 
     async def _control(self, channel: Channel) -> None:
         """Serve one client's requests in order; a malformed one ends its channel."""
@@ -271,10 +264,20 @@ class WeightServer:
                         continue
                     subscriber = await self._subscribe(channel, request)
                     continue
-                await self._reply(channel, await self._answer(request, subscriber))
+                if isinstance(request, m.Pull):
+                    reply: m.Reply | None = await self.relays.pull(
+                        channel, request, self.config.max_wait
+                    )
+                elif isinstance(request, m.Get):
+                    reply = await self.relays.get(channel, request, self.config.timeout)
+                else:
+                    reply = await self._answer(request, subscriber)
+                if reply is not None:
+                    await self._reply(channel, reply)
         except AiosyncError as exc:
             log.debug("control channel %s ended: %s", channel.peer, exc)
         finally:
+            self.relays.release(channel.peer)
             self._controls.pop(channel.peer, None)
             with anyio.CancelScope(shield=True):
                 await channel.aclose()

@@ -17,7 +17,13 @@ import anyio
 
 from aiosync.channels.base import Channel, Listener
 from aiosync.channels.keys import ChannelAuth
-from aiosync.core.errors import AiosyncError, PeerGoneError, RejectedError, SyncTimeoutError
+from aiosync.core.errors import (
+    AiosyncError,
+    PeerGoneError,
+    ProtocolError,
+    RejectedError,
+    SyncTimeoutError,
+)
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import WeightSink
@@ -76,6 +82,10 @@ class ServerClient:
                         raise PeerGoneError(f"server closing: {reply.reason}", peer=self.endpoint)
                     if isinstance(reply, m.Refused):
                         raise RejectedError(reply.reason, peer=self.endpoint)
+                    if not isinstance(reply, m.Status):
+                        raise ProtocolError(
+                            f"expected a status, got {type(reply).__name__}", peer=self.endpoint
+                        )
                     return reply
         raise SyncTimeoutError(
             f"no answer to {type(message).__name__} within {wait:g}s", peer=self.endpoint

@@ -1,0 +1,291 @@
+"""Relays: one server feeding another over the network, bucket bytes and all.
+
+A relay is a :class:`~aiosync.server.server.WeightServer` with an ``upstream``: instead of
+(or besides) publishers, it pulls each new version from the upstream server's control
+endpoint (``tcp://`` with CURVE keys between machines) and serves its own machine's
+engines from its shared memory, so a version crosses the network once per machine.
+
+The data plane is the control channel itself: the upstream answers a ``pull`` with the
+version's :class:`~aiosync.server.messages.Head` (each bucket's bytes used, a BLAKE2b-256
+digest of its content, and its specs), and each ``get`` with the bucket's bytes in
+:class:`~aiosync.server.messages.Chunk` messages (one bucket in flight at a time, so the
+upstream's queue for a relay holds at most one bucket). Buckets are identified by
+content: the relay fetches only those whose digest it has neither retained nor received
+in an earlier, interrupted attempt (resumable transfers), and copies the others locally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from aiosync.channels.base import Channel
+from aiosync.channels.keys import ChannelAuth
+from aiosync.core.errors import AiosyncError, ProtocolError, RejectedError, SyncTimeoutError
+from aiosync.core.layout import TensorSpec
+from aiosync.server import messages as m
+from aiosync.server.store import RetainedVersion, RetentionStore
+
+log = logging.getLogger(__name__)
+
+
+def bucket_digest(data: torch.Tensor) -> bytes:
+    """BLAKE2b-256 of a flat ``uint8`` CPU tensor's bytes (a worker thread: it reads them all)."""
+    return hashlib.blake2b(data.numpy().data, digest_size=32).digest()
+
+
+def digests_of(retained: RetainedVersion) -> list[bytes]:
+    """Each bucket's digest, computed once per retained version."""
+    for bucket in retained.buckets:
+        if bucket.digest is None:
+            bucket.digest = bucket_digest(bucket.segment.tensor[: bucket.used])
+    return [bucket.digest or b"" for bucket in retained.buckets]
+
+
+# --- the upstream side: answering a relay's pull and get --------------------------------
+
+
+@dataclass
+class RelayDesk:
+    """A server's answers to relays: the version each relay channel pulled.
+
+    A version is pinned only while one of its buckets is being sent: a relay that goes
+    away silently holds nothing, and one whose version was evicted between two buckets is
+    refused and pulls again (keeping, by digest, what it already received).
+    """
+
+    store: RetentionStore
+    changed: Callable[[], anyio.Event]
+    pulled: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0  # bucket bytes sent to relays, all channels together
+
+    def release(self, peer: str) -> None:
+        """The channel ended: forget what it pulled."""
+        self.pulled.pop(peer, None)
+
+    async def pull(self, channel: Channel, request: m.Pull, max_wait: float) -> m.Reply:
+        """Wait for a version newer than the relay's; answer with its head."""
+        with anyio.move_on_after(min(max(request.timeout, 0.0), max_wait)):
+            while True:
+                newest = self.store.newest
+                if newest is not None and (request.have is None or newest > request.have):
+                    retained = self.store.pin(newest)
+                    if retained is not None:
+                        break
+                await self.changed().wait()
+            try:
+                digests = await anyio.to_thread.run_sync(digests_of, retained)
+            finally:
+                self.store.unpin(retained.version)
+            self.pulled[channel.peer] = retained.version
+            heads = [
+                m.BucketHead(bucket.used, digest, bucket.specs)
+                for bucket, digest in zip(retained.buckets, digests, strict=True)
+            ]
+            return m.Head(retained.version, heads)
+        return m.Refused(f"no version newer than {request.have} within {request.timeout:g}s")
+
+    async def get(self, channel: Channel, request: m.Get, timeout: float) -> m.Reply | None:
+        """Send one bucket of the pulled version in chunks (None: sent), or a refusal."""
+        if self.pulled.get(channel.peer) != request.version:
+            return m.Refused(f"version {request.version} is not pulled on this channel")
+        retained = self.store.pin(request.version)
+        if retained is None:
+            return m.Refused(f"version {request.version} is no longer retained")
+        try:
+            if not 0 <= request.bucket < len(retained.buckets):
+                return m.Refused(f"no bucket {request.bucket} in version {request.version}")
+            bucket = retained.buckets[request.bucket]
+            data = bucket.segment.tensor[: bucket.used]
+            for offset in range(0, bucket.used, m.CHUNK_BYTES):
+                piece = data[offset : offset + m.CHUNK_BYTES].numpy().tobytes()
+                payload = m.encode(m.Chunk(request.version, request.bucket, offset, piece))
+                with anyio.fail_after(timeout):
+                    await channel.send(payload)
+                self.bytes_sent += len(piece)
+        finally:
+            self.store.unpin(request.version)
+        return None
+
+
+# --- the relay side: pulling into this server's store ------------------------------------
+
+
+class Relay:
+    """Pulls versions from ``upstream`` into ``store``; ``published(version)`` after each.
+
+    Buckets received from an interrupted attempt are kept (host memory, by digest, one
+    version's worth) so that the next attempt fetches only what is missing.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        store: RetentionStore,
+        published: Callable[[int], None],
+        *,
+        auth: ChannelAuth | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.upstream = upstream
+        self.store = store
+        self.published = published
+        self.auth = auth
+        self.timeout = timeout
+        self._partial: dict[bytes, torch.Tensor] = {}  # digest -> bytes of an unfinished pull
+        self.bytes_fetched = 0
+        self.bytes_reused = 0
+
+    async def run(self, poll: float = 3600.0) -> None:
+        """Pull every new version until cancelled; reconnect after a broken attempt."""
+        while True:
+            try:
+                async with self.connect() as channel:
+                    while True:
+                        await self.pull_once(channel, poll)
+            except (AiosyncError, OSError) as exc:
+                if isinstance(exc, SyncTimeoutError):
+                    continue
+                log.warning("relay from %s broke: %s; reconnecting", self.upstream, exc)
+                await anyio.sleep(1.0)
+
+    def connect(self) -> _Owned:
+        """A new channel to the upstream's control endpoint (an async context manager)."""
+        from aiosync.channels.zmq import ZmqChannel
+
+        return _Owned(ZmqChannel.connect(self.upstream, auth=self.auth))
+
+    async def _ask(self, channel: Channel, request: m.Request) -> m.Reply:
+        await channel.send(m.encode(request))
+        with anyio.fail_after(self.timeout):
+            reply = m.decode_reply(await channel.recv(), m.MAX_RELAY_REPLY)
+        if isinstance(reply, m.Refused):
+            raise RejectedError(reply.reason, peer=self.upstream)
+        if isinstance(reply, m.Closing):
+            raise AiosyncError(f"upstream closing: {reply.reason}", peer=self.upstream)
+        return reply
+
+    async def pull_once(
+        self, channel: Channel, wait: float, *, stop_after: int | None = None
+    ) -> int | None:
+        """Pull the next newer version whole and retain it; returns it.
+
+        ``stop_after`` (tests) fetches that many buckets over the network and then gives
+        up as a broken connection would, keeping them for the next attempt.
+        """
+        have = self.store.newest
+        with anyio.fail_after(wait + self.timeout):
+            head = await self._ask(channel, m.Pull(have, wait))
+        if not isinstance(head, m.Head):
+            raise ProtocolError(f"expected a head, got {type(head).__name__}", peer=self.upstream)
+        local = self._local_index()
+        fetched = 0
+        try:
+            for index, bucket in enumerate(head.buckets):
+                _check_specs(bucket.specs, bucket.used)
+                if bucket.digest in local and await self._copy_local(local[bucket.digest], bucket):
+                    continue
+                data = self._partial.get(bucket.digest)
+                if data is None:
+                    if stop_after is not None and fetched >= stop_after:
+                        raise AiosyncError("stopped mid-version (test)", peer=self.upstream)
+                    data = await self._fetch(channel, head.version, index, bucket)
+                    self._partial[bucket.digest] = data
+                    fetched += 1
+                else:
+                    self.bytes_reused += bucket.used
+                await anyio.to_thread.run_sync(self.store.add_bucket, data, bucket.specs)
+            retained = await anyio.to_thread.run_sync(self.store.commit, head.version)
+        except BaseException:
+            self.store.abort()
+            raise
+        for retained_bucket, bucket in zip(retained.buckets, head.buckets, strict=True):
+            retained_bucket.digest = bucket.digest
+        self._partial.clear()
+        self.published(head.version)
+        return head.version
+
+    def _local_index(self) -> dict[bytes, tuple[int, int]]:
+        """Digest -> (version, bucket) of every retained bucket with a known digest."""
+        found: dict[bytes, tuple[int, int]] = {}
+        for version in self.store.versions:
+            retained = self.store.pin(version)
+            if retained is None:
+                continue
+            try:
+                for index, bucket in enumerate(retained.buckets):
+                    if bucket.digest is not None:
+                        found[bucket.digest] = (version, index)
+            finally:
+                self.store.unpin(version)
+        return found
+
+    async def _copy_local(self, where: tuple[int, int], bucket: m.BucketHead) -> bool:
+        """Retain a bucket from one this store already holds; False if that one is gone."""
+        version, index = where
+        retained = self.store.pin(version)
+        if retained is None:
+            return False
+        try:
+            source = retained.buckets[index]
+            if source.used != bucket.used:
+                return False
+            data = source.segment.tensor[: source.used]
+            await anyio.to_thread.run_sync(self.store.add_bucket, data, bucket.specs)
+        finally:
+            self.store.unpin(version)
+        self.bytes_reused += bucket.used
+        return True
+
+    async def _fetch(
+        self, channel: Channel, version: int, index: int, bucket: m.BucketHead
+    ) -> torch.Tensor:
+        if not 0 < bucket.used <= 1 << 40:
+            raise ProtocolError(f"bucket of {bucket.used} bytes", peer=self.upstream)
+        data = torch.empty(bucket.used, dtype=torch.uint8)
+        view = data.numpy()
+        await channel.send(m.encode(m.Get(version, index)))
+        received = 0
+        while received < bucket.used:
+            with anyio.fail_after(self.timeout):
+                reply = m.decode_reply(await channel.recv(), m.MAX_RELAY_REPLY)
+            if isinstance(reply, m.Refused):
+                raise RejectedError(reply.reason, peer=self.upstream)
+            if (
+                not isinstance(reply, m.Chunk)
+                or (reply.version, reply.bucket, reply.offset) != (version, index, received)
+                or not 0 < len(reply.data) <= bucket.used - received
+            ):
+                raise ProtocolError("unexpected chunk", peer=self.upstream, version=version)
+            view[received : received + len(reply.data)] = memoryview(reply.data)
+            received += len(reply.data)
+        self.bytes_fetched += received
+        if await anyio.to_thread.run_sync(bucket_digest, data) != bucket.digest:
+            raise ProtocolError(f"bucket {index} does not match its digest", version=version)
+        return data
+
+
+def _check_specs(specs: list[TensorSpec], used: int) -> None:
+    """Each spec lies inside the bucket (subscribers check the rest, as for any sender)."""
+    for spec in specs:
+        if spec.offset < 0 or spec.nbytes < 0 or spec.offset + spec.nbytes > used:
+            raise ProtocolError(f"spec outside its {used}-byte bucket", tensor=spec.name)
+
+
+class _Owned:
+    """A channel closed when its ``async with`` ends."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    async def __aenter__(self) -> Channel:
+        return self.channel
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.channel.aclose()
