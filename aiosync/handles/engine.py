@@ -43,6 +43,7 @@ from aiosync.core.errors import AiosyncError
 from aiosync.engine.sinks import WeightSink
 from aiosync.handles.alias_store import AliasStore, rank_alias
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
+from aiosync.handles.release import release
 from aiosync.handles.scratch import Scratch
 from aiosync.handles.transfer import receive_bucket
 
@@ -262,8 +263,7 @@ class AiosyncEngine:
             self._lock.acquire()
         try:
             self._abort_pending()
-            for ex in group.executors:
-                ex.close()
+            release(group.executors)
         finally:
             self._lock.release()
         return True, f"{self.name} left {group_name!r}"

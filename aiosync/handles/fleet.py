@@ -38,6 +38,7 @@ from aiosync.core.errors import AiosyncError, RejectedError, SyncTimeoutError, U
 from aiosync.handles import transfer
 from aiosync.handles.base import EngineHandle, WeightSyncResult
 from aiosync.handles.metadata import FLATTENED, bucket_layout, describe
+from aiosync.handles.release import release
 from aiosync.handles.scratch import Scratch
 
 log = logging.getLogger(__name__)
@@ -288,14 +289,17 @@ async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
         except Exception as exc:
             problems.append(f"{handle.name}: {type(exc).__name__}: {exc}")
 
+    async def leave_own() -> None:  # at the same time as the engines: nobody waits alone
+        trainer.executor.join_timeout = max(CLEANUP_WAIT, deadline.remaining())
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(release, [trainer.executor])
+
     try:
         async with anyio.create_task_group() as tg:
+            tg.start_soon(leave_own)
             for handle in trainer.handles:
                 tg.start_soon(leave, handle)
     finally:
-        if trainer.executor.broken is not None or problems:
-            trainer.executor.fail(AiosyncError(f"group {trainer.name!r} disconnected"))
-        await _close_executor(trainer.executor, max(CLEANUP_WAIT, deadline.remaining()))
         _close_store(trainer.store)
         trainer.scratch.clear()
     for problem in problems:
