@@ -25,7 +25,7 @@ from aiosync import (
     WeightSender,
 )
 from aiosync.core.layout import TensorSpec
-from aiosync.engine import staging
+from aiosync.engine import sinks, staging
 from aiosync.engine.staging import Swap
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
@@ -285,7 +285,7 @@ async def test_a_view_taken_between_pointer_swaps_gets_each_version_by_copy() ->
         assert weight.data_ptr() != pointer
 
 
-@pytest.mark.parametrize("case", ["pointer", "copy", "held view", "own commit"])
+@pytest.mark.parametrize("case", ["pointer", "copy", "held view", "own commit", "many tensors"])
 async def test_only_a_commit_that_moves_no_bytes_runs_on_the_event_loop(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -302,6 +302,8 @@ async def test_only_a_commit_that_moves_no_bytes_runs_on_the_event_loop(
             super().commit(version)
 
     monkeypatch.setattr(staging.Staging, "commit", watched)
+    if case == "many tensors":
+        monkeypatch.setattr(sinks, "QUICK_COMMIT_TENSORS", 4)  # Net has 13
     engine = Net(seed=0)
     kind = OwnCommit if case == "own commit" else ModuleSink
     sink = kind(engine, staged=True, swap="copy" if case == "copy" else "pointer")
@@ -318,6 +320,7 @@ async def test_only_a_commit_that_moves_no_bytes_runs_on_the_event_loop(
         "copy": [(True, True), (False, False)],  # bytes move: in a worker thread
         "held view": [(True, True), (False, False)],
         "own commit": [(False, False)],  # a subclass's commit is always called
+        "many tensors": [(False, False)],  # per-tensor work beyond the bound: off the loop
     }[case]
     assert calls == expected
     assert held is None or torch.equal(held["layers.0.weight"], trainer.layers[0].weight)

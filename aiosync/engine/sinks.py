@@ -32,6 +32,8 @@ from aiosync.engine.callback_sink import CallbackSink, LoadWeights
 from aiosync.engine.sink_tools import Rename, rename_function, sync_cuda
 from aiosync.engine.staging import SWAPS, Staging, Swap
 
+QUICK_COMMIT_TENSORS = 1024  # most tensors a pointer swap moves on the event loop (~1-4 ms)
+
 
 class WeightSink(Protocol):
     """What a receiver needs from the thing that owns the weights.
@@ -249,15 +251,18 @@ class ModuleSink:
         """Commit now if no byte has to move (in place, or every tensor swaps by pointer).
 
         Returns False, having done nothing, otherwise (call :meth:`commit`), always for a
-        subclass that overrides :meth:`commit`, and for weights on a GPU (their commit waits
-        for the device's copies, which a CUDA plane ordered by events leaves queued). The
-        receiver calls it on its event loop to spare a pointer swap the hop to a thread.
+        subclass that overrides :meth:`commit`, for weights on a GPU (their commit waits for
+        the device's copies, which a CUDA plane ordered by events leaves queued), and for
+        more than ``QUICK_COMMIT_TENSORS`` tensors (a few µs each: longer would stall the
+        loop). The receiver calls it on its event loop to spare a swap the thread hop.
         """
         if type(self).commit is not ModuleSink.commit or not self._on_cpu:
             return False
         if self._staging is None:
             self._committed(())
             return True
+        if len(self._staging.pending) > QUICK_COMMIT_TENSORS:  # per-tensor work: off the loop
+            return False
         with torch.no_grad():
             moved = self._staging.commit(pointers_only=True)
         if moved is None:
