@@ -46,9 +46,13 @@ async def read_line(proc: subprocess.Popen[str]) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-async def test_signal_during_a_transfer_leaves_shm_and_private_dirs_clean(
+def test_signal_during_a_transfer_leaves_shm_and_private_dirs_clean(
     signum: int, status: int
 ) -> None:
+    anyio.run(signal_during_a_transfer, signum, status)  # once per signal, on asyncio
+
+
+async def signal_during_a_transfer(signum: int, status: int) -> None:
     env = {**os.environ, "AIOSYNC_SHM_BACKEND": "file"}  # named segments: /dev/shm can show them
     server = subprocess.Popen(
         [sys.executable, "-m", "aiosync", "serve", "--timeout", "20"],
