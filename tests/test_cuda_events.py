@@ -94,7 +94,11 @@ def test_no_host_sync_per_bucket_in_either_process() -> None:
     for who, profile in (("trainer", trainer_profile), ("engine", engine_profile)):
         assert profile["versions"] == versions
         syncs = dict(profile["syncs"])  # type: ignore[call-overload]
-        assert sum(syncs.values()) <= versions, (who, syncs)
+        waits = syncs.get("cudaStreamSynchronize", 0) + syncs.get("cudaEventSynchronize", 0)
+        assert waits <= versions, (who, syncs)  # the engine's one at each commit
+        # torch.profiler synchronises the device itself when it starts or stops; seen once,
+        # at the window's edge, in one of two runs on the H200
+        assert syncs.get("cudaDeviceSynchronize", 0) <= 1, (who, syncs)
     # 10 buckets a version (40 MB through 2 x 4 MiB): a sync per bucket would show 80+
     last = {e["version"]: e["digests"] for e in seen if e["event"] == "committed"}
     assert last[9] == next(e for e in sent if e["event"] == "sent")["digests"]
