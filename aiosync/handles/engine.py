@@ -40,6 +40,7 @@ from aiosync.collectives import (
 )
 from aiosync.collectives.rendezvous import is_token, valid_host
 from aiosync.core.errors import AiosyncError
+from aiosync.core.manifest import Expectations
 from aiosync.engine.sinks import WeightSink
 from aiosync.handles.alias_store import AliasStore, rank_alias
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
@@ -116,6 +117,7 @@ class AiosyncEngine:
         self._pending: _Pending | None = None
         self._last_error = ""
         self._mixed = False
+        self._expected: list[Expectations | None] | None = None
 
     # --- what the engine serves ---------------------------------------------------------
 
@@ -352,11 +354,9 @@ class AiosyncEngine:
 
     def _complete(self, covered: set[str]) -> bool:
         """True when ``covered`` holds everything every sink requires."""
-        for sink in self._sinks:
-            expected = sink.expectations()
-            if expected is not None and expected.missing(covered):
-                return False
-        return True
+        if self._expected is None:  # a sink says once what it takes
+            self._expected = [sink.expectations() for sink in self._sinks]
+        return not any(e is not None and e.missing(covered) for e in self._expected)
 
     def _abort_pending(self) -> None:
         if self._pending is None:
