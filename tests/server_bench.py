@@ -8,6 +8,8 @@ it measures, on this machine:
 3. per version under full fan-out (every subscriber follows the newest);
 4. a late joiner's seconds from subscribing to the newest version;
 5. the server's peak memory (VmHWM) and shared memory held (RssShmem);
+6. a relay pulling one version from a server over loopback tcp, beside raw ZMQ tcp
+   (PUSH/PULL, 4 MiB messages) carrying the same bytes between two processes;
 
 and checks every subscriber ends on the newest version bit-exact (digests). Prints one
 JSON object last.
@@ -30,7 +32,10 @@ import torch
 from aiosync import SenderConfig, WeightSender
 from aiosync.bench.model import synthetic_state_dict, tensor_digest
 from aiosync.runtime import run
-from aiosync.server import ServerClient
+from aiosync.channels.keys import ChannelAuth
+from aiosync.server import RetentionPolicy, ServerClient
+from aiosync.server.relay import Relay
+from aiosync.server.store import RetentionStore
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT = 600.0
@@ -179,6 +184,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         # 5. the server's memory
         out["server_memory"] = memory(server.pid)
         out["model_bytes"] = sum(t.numel() * t.element_size() for t in model.values())
+        # 6. a relay's pull over loopback tcp beside raw ZMQ tcp of the same bytes
+        out.update(await relay_and_raw(model, config, procs))
         out["ratio_idle"] = out["server_idle_subscribers_s"] / out["direct_s"]
         out["ratio_fanout"] = out["server_fanout_s"] / out["direct_s"]
     finally:
@@ -194,6 +201,47 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None and not pipe.closed:
                     pipe.close()
+    return out
+
+
+async def relay_and_raw(
+    model: dict[str, torch.Tensor], config: SenderConfig, procs: list[subprocess.Popen[str]]
+) -> dict[str, Any]:
+    """Seconds for a relay to pull one version over loopback tcp, and for raw ZMQ tcp."""
+    import zmq
+    import zmq.asyncio
+
+    loopback = ChannelAuth(insecure_loopback=True)
+    up = spawn("-m", "aiosync", "serve", "--control", "tcp://127.0.0.1:0", "--insecure-loopback")
+    procs.append(up)
+    ready = await event(up, "ready")
+    async with WeightSender(ready["publish"], config=config) as sender:
+        await sender.send(model, version=0)
+    out: dict[str, Any] = {}
+    for label in ("relay_first_s", "relay_s"):  # the first pull also digests the buckets
+        store = RetentionStore(RetentionPolicy(max_versions=1))
+        relay = Relay(ready["control"], store, lambda version: None, auth=loopback)
+        try:
+            async with relay.connect() as channel:
+                started = time.perf_counter()
+                await relay.pull_once(channel, WAIT)
+                out[label] = time.perf_counter() - started
+            out["relay_bytes"] = relay.bytes_fetched
+        finally:
+            store.close()
+    total = out["relay_bytes"]
+    with zmq.asyncio.Context() as ctx, ctx.socket(zmq.PULL) as sock:
+        sock.bind("tcp://127.0.0.1:0")
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        raw = spawn("-m", "tests.server_raw_tcp", endpoint, str(total))
+        procs.append(raw)
+        received = len(await sock.recv(copy=False))
+        started = time.perf_counter()
+        while received < total:
+            received += len(await sock.recv(copy=False))
+        out["raw_tcp_s"] = time.perf_counter() - started  # from the first 4 MiB received
+    out["relay_gbps"] = total / out["relay_s"] / 1e9
+    out["raw_tcp_gbps"] = total / out["raw_tcp_s"] / 1e9
     return out
 
 

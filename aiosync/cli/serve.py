@@ -56,6 +56,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow", metavar="PATH", help="public key file, or directory of them, of peers let in"
     )
     parser.add_argument(
+        "--upstream",
+        metavar="ENDPOINT",
+        help="relay: pull every version from this server's control endpoint (tcp:// between "
+        "machines) and serve it here",
+    )
+    parser.add_argument(
+        "--upstream-key", metavar="FILE", help="the upstream server's public key file (with keys)"
+    )
+    parser.add_argument(
         "--insecure-loopback",
         action="store_true",
         help="allow plain tcp on 127.0.0.1 without keys (any local user can then connect)",
@@ -83,6 +92,13 @@ def serve(args: argparse.Namespace) -> int:
             auth = client = ChannelAuth(insecure_loopback=True)
         else:
             auth = client = None
+        upstream_auth = auth
+        if args.upstream and args.keypair:
+            if not args.upstream_key:
+                from aiosync.cli.args import CommandError
+
+                raise CommandError("--upstream with --keypair needs --upstream-key")
+            upstream_auth = ChannelAuth.client(args.keypair, args.upstream_key)
         limit = None if args.retain_mb is None else int(args.retain_mb * MiB)
         config = ServerConfig(
             retention=RetentionPolicy(max_versions=args.retain, max_bytes=limit),
@@ -92,6 +108,8 @@ def serve(args: argparse.Namespace) -> int:
             subscriber_auth=client,
             timeout=args.timeout,
             metrics_port=args.metrics_port,
+            upstream=args.upstream,
+            upstream_auth=upstream_auth,
         )
         async with WeightServer(config) as server:
             emit(

@@ -118,7 +118,7 @@ class Get(msgspec.Struct, frozen=True, tag="get"):
 
 
 class BucketHead(msgspec.Struct, frozen=True, array_like=True):
-    """One retained bucket: bytes used, content digest (BLAKE2b-256) and specs."""
+    """One retained bucket: bytes used, content digest (SHA-256) and specs."""
 
     used: int
     digest: bytes
@@ -138,7 +138,7 @@ class Chunk(msgspec.Struct, frozen=True, tag="chunk"):
     version: int
     bucket: int
     offset: int
-    data: bytes
+    data: memoryview  # decoded without a copy: a view of the received message
 
 
 Request = Subscribe | Fetch | Follow | StatusRequest | Wait | Pull | Get

@@ -6,7 +6,7 @@ endpoint (``tcp://`` with CURVE keys between machines) and serves its own machin
 engines from its shared memory, so a version crosses the network once per machine.
 
 The data plane is the control channel itself: the upstream answers a ``pull`` with the
-version's :class:`~aiosync.server.messages.Head` (each bucket's bytes used, a BLAKE2b-256
+version's :class:`~aiosync.server.messages.Head` (each bucket's bytes used, a SHA-256
 digest of its content, and its specs), and each ``get`` with the bucket's bytes in
 :class:`~aiosync.server.messages.Chunk` messages (one bucket in flight at a time, so the
 upstream's queue for a relay holds at most one bucket). Buckets are identified by
@@ -33,10 +33,18 @@ from aiosync.server.store import RetainedVersion, RetentionStore
 
 log = logging.getLogger(__name__)
 
+AHEAD = 1
+"""Buckets asked for beyond the one being received (the upstream's queue holds at most
+this many more buckets for a relay)."""
+
 
 def bucket_digest(data: torch.Tensor) -> bytes:
-    """BLAKE2b-256 of a flat ``uint8`` CPU tensor's bytes (a worker thread: it reads them all)."""
-    return hashlib.blake2b(data.numpy().data, digest_size=32).digest()
+    """SHA-256 of a flat ``uint8`` CPU tensor's bytes (a worker thread: it reads them all).
+
+    SHA-256 rather than BLAKE2b: with the SHA extensions of current x86 and Arm cores it
+    hashes about three times faster (1.8 against 0.6 GB/s on the development machine).
+    """
+    return hashlib.sha256(data.numpy().data).digest()
 
 
 def digests_of(retained: RetainedVersion) -> list[bytes]:
@@ -103,7 +111,7 @@ class RelayDesk:
             bucket = retained.buckets[request.bucket]
             data = bucket.segment.tensor[: bucket.used]
             for offset in range(0, bucket.used, m.CHUNK_BYTES):
-                piece = data[offset : offset + m.CHUNK_BYTES].numpy().tobytes()
+                piece = memoryview(data[offset : offset + m.CHUNK_BYTES].numpy().data)
                 payload = m.encode(m.Chunk(request.version, request.bucket, offset, piece))
                 with anyio.fail_after(timeout):
                     await channel.send(payload)
@@ -138,6 +146,7 @@ class Relay:
         self.auth = auth
         self.timeout = timeout
         self._partial: dict[bytes, torch.Tensor] = {}  # digest -> bytes of an unfinished pull
+        self._spare: dict[int, list[torch.Tensor]] = {}  # receive buffers to reuse, by size
         self.bytes_fetched = 0
         self.bytes_reused = 0
 
@@ -184,7 +193,13 @@ class Relay:
         if not isinstance(head, m.Head):
             raise ProtocolError(f"expected a head, got {type(head).__name__}", peer=self.upstream)
         local = self._local_index()
-        fetched = 0
+        firsts = {bucket.digest: i for i, bucket in reversed(list(enumerate(head.buckets)))}
+        wanted = sorted(  # each missing content once (a repeated bucket is fetched once)
+            i for digest, i in firsts.items() if digest not in local and digest not in self._partial
+        )
+        if stop_after is not None:
+            wanted = wanted[:stop_after]
+        asked = 0  # the next bucket of ``wanted`` to ask for; at most AHEAD asked, unread
         try:
             for index, bucket in enumerate(head.buckets):
                 _check_specs(bucket.specs, bucket.used)
@@ -192,11 +207,14 @@ class Relay:
                     continue
                 data = self._partial.get(bucket.digest)
                 if data is None:
-                    if stop_after is not None and fetched >= stop_after:
+                    if index not in wanted:
                         raise AiosyncError("stopped mid-version (test)", peer=self.upstream)
-                    data = await self._fetch(channel, head.version, index, bucket)
+                    position = wanted.index(index)
+                    while asked < len(wanted) and asked <= position + AHEAD:
+                        await channel.send(m.encode(m.Get(head.version, wanted[asked])))
+                        asked += 1
+                    data = await self._receive(channel, head.version, index, bucket)
                     self._partial[bucket.digest] = data
-                    fetched += 1
                 else:
                     self.bytes_reused += bucket.used
                 await anyio.to_thread.run_sync(self.store.add_bucket, data, bucket.specs)
@@ -206,6 +224,9 @@ class Relay:
             raise
         for retained_bucket, bucket in zip(retained.buckets, head.buckets, strict=True):
             retained_bucket.digest = bucket.digest
+        self._spare = {}  # its receive buffers: faulting pages in costs more than a copy
+        for data in self._partial.values():
+            self._spare.setdefault(data.numel(), []).append(data)
         self._partial.clear()
         self.published(head.version)
         return head.version
@@ -242,14 +263,15 @@ class Relay:
         self.bytes_reused += bucket.used
         return True
 
-    async def _fetch(
+    async def _receive(
         self, channel: Channel, version: int, index: int, bucket: m.BucketHead
     ) -> torch.Tensor:
+        """One asked-for bucket's chunks, assembled and checked against its digest."""
         if not 0 < bucket.used <= 1 << 40:
             raise ProtocolError(f"bucket of {bucket.used} bytes", peer=self.upstream)
-        data = torch.empty(bucket.used, dtype=torch.uint8)
+        spare = self._spare.get(bucket.used)
+        data = spare.pop() if spare else torch.empty(bucket.used, dtype=torch.uint8)
         view = data.numpy()
-        await channel.send(m.encode(m.Get(version, index)))
         received = 0
         while received < bucket.used:
             with anyio.fail_after(self.timeout):

@@ -40,7 +40,7 @@ class RetainedBucket:
     used: int
     specs: list[TensorSpec]
     slots: list[Slot] = field(default_factory=list)
-    digest: bytes | None = None  # of its content, once a relay asked (BLAKE2b-256)
+    digest: bytes | None = None  # of its content (SHA-256), once a relay asked
 
 
 @dataclass
