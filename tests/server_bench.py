@@ -31,8 +31,8 @@ import torch
 
 from aiosync import SenderConfig, WeightSender
 from aiosync.bench.model import synthetic_state_dict, tensor_digest
-from aiosync.runtime import run
 from aiosync.channels.keys import ChannelAuth
+from aiosync.runtime import run
 from aiosync.server import RetentionPolicy, ServerClient
 from aiosync.server.relay import Relay
 from aiosync.server.store import RetentionStore
