@@ -21,3 +21,16 @@ class LockActor:
 
     def state(self) -> tuple[bool, int]:
         return self.held, self.times
+
+
+class SlowEngine:
+    """An engine actor whose update takes ``seconds`` (a slow engine), answering SGLang-style."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def update_weights_from_distributed(self, **kwargs: object) -> tuple[bool, str]:
+        import time
+
+        time.sleep(self.seconds)  # the engine is busy: the trainer's loop must not be
+        return True, f"applied {len(kwargs['names'])} tensors"  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import RayActorHandle, as_engine_handle
 from aiosync.handles.engine import AiosyncEngine
 from tests.models import digest, mixed_weights
-from tests.ray_lock import LockActor
+from tests.ray_lock import LockActor, SlowEngine
 
 ray = pytest.importorskip("ray")
 
@@ -94,3 +95,29 @@ def test_raw_ray_actor_handles_bit_exact_and_disconnect_with_a_dead_engine(
         for engine in engines:
             ray.kill(engine)
         ray.kill(lock)
+
+
+async def test_a_ray_call_in_flight_leaves_the_event_loop_running(local_ray: None) -> None:
+    seconds, tick = 1.0, 0.01
+    actor = ray.remote(SlowEngine).options(num_cpus=0).remote(seconds)
+    handle = as_engine_handle(actor, name="slow")
+    ticks = 0
+    done = anyio.Event()
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            await anyio.sleep(tick)
+            ticks += 1
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            with anyio.fail_after(60):
+                result = await handle.update_weights_from_distributed(["w"], ["float32"], [[1]])
+            done.set()
+        assert result.success
+        assert result.message == "applied 1 tensors"
+        assert ticks >= seconds / tick / 5  # a 5x margin: the loop was never held by Ray
+    finally:
+        ray.kill(actor)
