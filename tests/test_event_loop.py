@@ -22,11 +22,10 @@ import pytest
 import torch
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
-from aiosync.core import engine_session
+from aiosync.core import engine_session, planning
 from aiosync.core.wire import Begin, Bucket, Complete
 from aiosync.planes.shm import ShmSenderPlane
 from aiosync.runtime import child_env
-from aiosync.trainer import sender as sender_module
 from tests.loop_engine import heartbeat, small_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,17 +38,17 @@ async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.Monke
     def record(step: str) -> None:
         seen.setdefault(step, set()).add(threading.get_ident())
 
-    plan_buckets = sender_module.plan_buckets
-    build_manifest = sender_module.build_manifest
+    buckets = planning.VersionLayout.buckets
+    lay_out = planning.lay_out
 
-    def recording_plan(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        for plan in plan_buckets(*args, **kwargs):
+    def recording_plan(self: planning.VersionLayout, capacity: int) -> Iterator[Any]:
+        for plan in buckets(self, capacity):
             record("plan")
             yield plan
 
     def recording_manifest(*args: Any, **kwargs: Any) -> Any:
-        record("manifest")
-        return build_manifest(*args, **kwargs)
+        record("manifest")  # the manifest and the bucket layout, made in one pass
+        return lay_out(*args, **kwargs)
 
     pack = ShmSenderPlane.pack
 
@@ -69,8 +68,8 @@ async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.Monke
             record("apply")
             super().apply_bucket(bucket, specs)
 
-    monkeypatch.setattr(sender_module, "plan_buckets", recording_plan)
-    monkeypatch.setattr(sender_module, "build_manifest", recording_manifest)
+    monkeypatch.setattr(planning.VersionLayout, "buckets", recording_plan)
+    monkeypatch.setattr(planning, "lay_out", recording_manifest)
     monkeypatch.setattr(ShmSenderPlane, "pack", recording_pack)
     monkeypatch.setattr(engine_session.EngineSession, "receive", recording_receive)
 

@@ -29,7 +29,7 @@ from aiosync.core.engine_actions import (
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.limits import Limits, shorten
 from aiosync.core.manifest import Expectations
-from aiosync.core.stream_state import StreamState, check_manifest_form
+from aiosync.core.stream_state import StreamMemory, StreamState, open_stream
 from aiosync.core.wire import (
     GOODBYE_SEQ,
     PROTOCOL_MAX,
@@ -99,6 +99,7 @@ class EngineSession:
         self.protocol_errors = 0
         self.sessions: dict[Peer, _Session] = {}
         self.owner: Peer | None = None  # the peer whose stream may touch the sink
+        self.memory: StreamMemory | None = None  # the last whole stream, to replay
 
     # --- messages ---------------------------------------------------------------------
 
@@ -198,20 +199,12 @@ class EngineSession:
             return [Reply(peer, Ack(version, 0, False, error=error, busy=True))]
         try:
             self._check_version(version, begin.rebase)
-            if begin.manifest is not None:
-                if len(begin.manifest) > self.limits.max_manifest_tensors:
-                    limit = self.limits.max_manifest_tensors
-                    raise ProtocolError(
-                        f"manifest of {len(begin.manifest)} tensors (at most {limit})"
-                    )
-                check_manifest_form(begin.manifest, self.limits.max_name_length)
-                if self.expectations is not None:
-                    self.expectations.check_manifest(begin.manifest)
+            stream = open_stream(begin, self.expectations, self.limits, self.memory)
         except AiosyncError as exc:
             self._record(session, version, exc.reason)
             session.failed_version = version
             return [Reply(peer, Ack(version, 0, False, error=exc.reason, tensor=exc.tensor))]
-        session.stream = StreamState(version, begin.manifest, self.expectations, begin.empty)
+        session.stream = stream
         session.phase = Phase.STREAMING
         session.progress = now
         self.owner = peer
@@ -270,6 +263,7 @@ class EngineSession:
             return self._refuse(peer, session, complete.seq, exc)
         session.phase = Phase.PREPARED
         session.progress = now
+        self.memory = stream.memory() or self.memory
         return [Reply(peer, Ack(stream.version, complete.seq, True))]
 
     def _on_commit(self, peer: Peer, session: _Session, commit: Commit) -> list[Action]:

@@ -15,10 +15,16 @@ from typing import Any
 import msgspec
 import torch
 
+from aiosync.core.bulk_copy import pack_tiny
 from aiosync.core.errors import MismatchError, ProtocolError
 
 ALIGNMENT = 512
 """Byte alignment of every tensor inside a buffer (enough for any dtype and for vector loads)."""
+
+TINY_BYTES = ALIGNMENT
+"""Bytes up to which a one-dimensional tensor is packed with others of its dtype in one call
+(:func:`~aiosync.core.bulk_copy.pack_tiny`): for such tensors a call per tensor costs many
+times the copy."""
 
 _DTYPES: dict[str, torch.dtype] = {
     name: dtype
@@ -157,15 +163,29 @@ class BucketPlan:
     tensors: list[torch.Tensor] = field(default_factory=list)
     specs: list[TensorSpec] = field(default_factory=list)
     used: int = 0
+    entries: list[int] = field(default_factory=list)
+    """Each spec's manifest entry, when the planner knew the manifest (else empty)."""
+    tiny: dict[str, list[int]] = field(default_factory=dict)
+    """Positions of whole one-dimensional tensors of at most :data:`TINY_BYTES`, by dtype:
+    :func:`pack_bucket` copies each such group in one call
+    (:func:`~aiosync.core.bulk_copy.pack_tiny`)."""
+    whole: int = -1
+    """:attr:`whole_tensors` as counted by the planner (-1: count the specs)."""
+    payload: int = -1
+    """:attr:`payload_bytes` as counted by the planner (-1: add up the specs)."""
 
     @property
     def payload_bytes(self) -> int:
         """Tensor bytes carried (without alignment padding)."""
+        if self.payload >= 0:
+            return self.payload
         return sum(spec.nbytes for spec in self.specs)
 
     @property
     def whole_tensors(self) -> int:
         """Tensors whose last byte is in this bucket (whole ones and final chunks)."""
+        if self.whole >= 0:
+            return self.whole
         return sum(1 for spec in self.specs if spec.is_last_chunk)
 
     @property
@@ -192,7 +212,7 @@ def plan_buckets(
     """
     if capacity < ALIGNMENT or capacity % ALIGNMENT:
         raise ValueError(f"buffer capacity must be a positive multiple of {ALIGNMENT}")
-    plan = BucketPlan()
+    plan = BucketPlan(whole=0, payload=0)
     seen: set[str] = set()
     names = _DTYPE_NAMES
     for name, raw in named_tensors:
@@ -208,19 +228,34 @@ def plan_buckets(
         aligned = -(-nbytes // ALIGNMENT) * ALIGNMENT
         if plan.specs and (plan.used + aligned > capacity or len(plan.specs) >= max_items):
             yield plan
-            plan = BucketPlan()
+            plan = BucketPlan(whole=0, payload=0)
         if aligned <= capacity:
+            if nbytes <= TINY_BYTES and len(shape) == 1:
+                plan.tiny.setdefault(dtype, []).append(len(plan.specs))
             plan.tensors.append(tensor)
             plan.specs.append(TensorSpec(name, dtype, shape, plan.used, nbytes))
             plan.used += aligned
+            plan.whole += 1
+            plan.payload += nbytes
             continue
-        flat = tensor.resolve_conj().resolve_neg().contiguous()  # one copy at most
-        for start in range(0, nbytes, capacity):
-            chunk = min(capacity, nbytes - start)
-            spec = TensorSpec(name, dtype, shape, 0, chunk, start)
-            yield BucketPlan([flat], [spec], calculate_aligned_size(chunk))
+        yield from chunk_plans(tensor, TensorSpec(name, dtype, shape, 0, nbytes), capacity)
     if plan.specs:
         yield plan
+
+
+def chunk_plans(tensor: torch.Tensor, whole: TensorSpec, capacity: int) -> Iterator[BucketPlan]:
+    """The buckets of a tensor larger than ``capacity``, one byte range each, in order.
+
+    ``whole`` describes the tensor (its ``nbytes`` all of it). The tensor is made plain
+    (contiguous, conjugation and negation resolved) once, when the first chunk is reached.
+    """
+    flat = tensor.resolve_conj().resolve_neg().contiguous()  # one copy at most
+    nbytes = whole.nbytes
+    for start in range(0, nbytes, capacity):
+        chunk = min(capacity, nbytes - start)
+        spec = TensorSpec(whole.name, whole.dtype, whole.shape, 0, chunk, start)
+        last = int(start + chunk == nbytes)
+        yield BucketPlan([flat], [spec], calculate_aligned_size(chunk), whole=last, payload=chunk)
 
 
 def is_plain(tensor: torch.Tensor) -> bool:
@@ -272,8 +307,13 @@ def pack_bucket(buffer: torch.Tensor, plan: BucketPlan) -> None:
     if plan.used > buffer.numel():
         raise ValueError(f"bucket needs {plan.used} bytes but the buffer holds {buffer.numel()}")
     base = buffer.data_ptr() if buffer.is_cpu else None
-    for source, spec in zip(plan.tensors, plan.specs, strict=True):
-        if spec.nbytes == 0:
+    packed = None
+    if base is not None and plan.tiny:
+        packed = pack_tiny(buffer, plan.tensors, plan.specs, plan.tiny)
+        if packed is not None and packed.count(0) == 0:
+            return  # every tensor was tiny
+    for i, (source, spec) in enumerate(zip(plan.tensors, plan.specs, strict=True)):
+        if spec.nbytes == 0 or (packed is not None and packed[i]):
             continue
         try:
             _pack_one(buffer, base, source, spec)

@@ -3,6 +3,14 @@
 :class:`StreamState` turns each bucket into the specs to apply (from manifest slots or the
 names a bucket carries), checks every byte range against the buffer, the manifest and what
 the sink expects, and at the end says whether the version is whole.
+
+A trainer usually sends the same manifest and the same buckets every version. The last
+stream that came out whole is kept (:class:`StreamMemory`): a version whose manifest equals
+its manifest skips the manifest's checks, and while each bucket equals the one at the same
+place in that stream (buffer, bytes used and every slot, compared whole), its checked specs
+are taken as they were. The first difference ends the replay: what was replayed is tracked
+again and from then on every bucket is checked as usual. Equal messages pass the same
+checks, so nothing different is ever accepted this way.
 """
 
 from __future__ import annotations
@@ -11,8 +19,9 @@ from dataclasses import dataclass, field
 
 from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec, dtype_from_name, validate_specs
+from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations, TensorMeta, missing_error
-from aiosync.core.wire import Bucket, Complete
+from aiosync.core.wire import Begin, Bucket, Complete, Slot
 
 
 def check_manifest_form(manifest: list[TensorMeta], max_name_length: int) -> None:
@@ -34,31 +43,138 @@ def check_manifest_form(manifest: list[TensorMeta], max_name_length: int) -> Non
         names.add(meta.name)
 
 
+@dataclass(frozen=True)
+class _Record:
+    """One checked bucket of a stream: what it said and the specs it resolved to."""
+
+    buffer: int
+    used: int
+    slots: list[Slot]
+    specs: list[TensorSpec]
+    planned: list[int | None]  # pieces the manifest announced, per spec
+    totals: list[int]  # whole-tensor bytes, per spec
+
+
+@dataclass(frozen=True)
+class StreamMemory:
+    """The last stream with a manifest that came out whole, to replay (see the module)."""
+
+    manifest: list[TensorMeta]
+    totals: list[int]  # each manifest entry's bytes
+    records: list[_Record]
+    tensors: int
+
+    def same_manifest(self, manifest: list[TensorMeta]) -> bool:
+        """Whether ``manifest`` equals this one, entry for entry (a difference: False)."""
+        return manifest is self.manifest or manifest == self.manifest
+
+
+def open_stream(
+    begin: Begin,
+    expectations: Expectations | None,
+    limits: Limits,
+    memory: StreamMemory | None,
+) -> StreamState:
+    """The stream ``begin`` opens, once its manifest (if any) passed every check.
+
+    A manifest equal to ``memory``'s passed them already (against the same expectations
+    and limits): the stream then replays ``memory``. Raises an
+    :class:`~aiosync.core.errors.AiosyncError` naming the first tensor that fails.
+    """
+    manifest = begin.manifest
+    if manifest is not None:
+        if len(manifest) > limits.max_manifest_tensors:
+            limit = limits.max_manifest_tensors
+            raise ProtocolError(f"manifest of {len(manifest)} tensors (at most {limit})")
+        if memory is not None and memory.same_manifest(manifest):
+            return StreamState(begin.version, memory.manifest, expectations, begin.empty, memory)
+        check_manifest_form(manifest, limits.max_name_length)
+        if expectations is not None:
+            expectations.check_manifest(manifest)
+    return StreamState(begin.version, manifest, expectations, begin.empty)
+
+
 @dataclass
 class StreamState:
-    """One version in flight from one sender, as far as the engine has taken it."""
+    """One version in flight from one sender, as far as the engine has taken it.
+
+    ``replay``: the last whole stream of the same manifest (already checked), whose
+    buckets this one may repeat.
+    """
 
     version: int
     manifest: list[TensorMeta] | None
     expectations: Expectations | None
     empty: bool = False  # the sender said the version has no tensors
+    replay: StreamMemory | None = None
     next_seq: int = 1
     buckets: int = 0
     tensors: int = 0
     done: set[str] = field(default_factory=set)
     partial: dict[str, tuple[TensorSpec, int]] = field(default_factory=dict)  # last, pieces
+    records: list[_Record] = field(default_factory=list, repr=False)  # buckets resolved
     _totals: list[int] | None = field(default=None, repr=False)  # manifest entries' sizes
+    _replaying: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.replay is not None:
+            self._totals = self.replay.totals
+            self._replaying = True
 
     def resolve(self, bucket: Bucket, sizes: list[int]) -> list[TensorSpec]:
         """The specs of ``bucket`` once every check passes; records their bytes as received."""
         if not 0 <= bucket.buffer < len(sizes):
             raise ProtocolError(f"no buffer {bucket.buffer}")
+        if self._replaying:
+            replayed = self._replayed(bucket, sizes[bucket.buffer])
+            if replayed is not None:
+                return replayed
         specs, planned, totals = self._specs(bucket)
         totals = validate_specs(specs, bucket.used, sizes[bucket.buffer], totals)
+        self._track_bucket(specs, planned, totals)
+        if self.manifest is not None:
+            record = _Record(bucket.buffer, bucket.used, bucket.slots, specs, planned, totals)
+            self.records.append(record)
+        return specs
+
+    def _replayed(self, bucket: Bucket, capacity: int) -> list[TensorSpec] | None:
+        """The specs of the remembered bucket that ``bucket`` equals, or None (replay ends)."""
+        assert self.replay is not None
+        records, known = self.records, self.replay.records
+        if len(records) < len(known):
+            record = known[len(records)]
+            if (
+                (record.buffer, record.used) == (bucket.buffer, bucket.used)
+                and bucket.used <= capacity
+                and not bucket.specs
+                and record.slots == bucket.slots
+            ):
+                records.append(record)
+                return record.specs
+        self._end_replay()
+        return None
+
+    def _end_replay(self) -> None:
+        """Stop replaying: track the buckets replayed so far as if checked one by one."""
+        if self._replaying:
+            self._replaying = False
+            for record in self.records:
+                self._track_bucket(record.specs, record.planned, record.totals)
+
+    def _track_bucket(
+        self, specs: list[TensorSpec], planned: list[int | None], totals: list[int]
+    ) -> None:
         in_bucket: set[str] = set()
         for spec, chunks, total in zip(specs, planned, totals, strict=True):
             self._track(spec, chunks, total, in_bucket)
-        return specs
+
+    def memory(self) -> StreamMemory | None:
+        """What to replay of this stream (call once it came out whole); None without a manifest."""
+        if self.manifest is None or self._totals is None:
+            return None
+        if self._replaying and self.replay is not None:
+            return self.replay  # the same stream again
+        return StreamMemory(self.manifest, self._totals, self.records, self.tensors)
 
     def _specs(self, bucket: Bucket) -> tuple[list[TensorSpec], list[int | None], list[int] | None]:
         """The bucket's specs, the pieces each tensor was announced in, and its sizes.
@@ -128,7 +244,16 @@ class StreamState:
             )
 
     def check_whole(self, complete: Complete) -> None:
-        """Raise unless everything the sender counted arrived and the sink's needs are met."""
+        """Raise unless everything the sender counted arrived and the sink's needs are met.
+
+        With a manifest, coverage was checked on the manifest and every entry arrived once
+        (each at most once, and as many as listed): the required names are all there.
+        """
+        if self._replaying and self.replay is not None:
+            if len(self.records) == len(self.replay.records):
+                self.tensors = self.replay.tensors  # the whole stream, replayed
+            else:
+                self._end_replay()
         if self.partial:
             raise ProtocolError("tensor incomplete at commit", tensor=next(iter(self.partial)))
         if (complete.buckets, complete.tensors) != (self.buckets, self.tensors):
@@ -140,7 +265,7 @@ class StreamState:
             raise ProtocolError("a version with no tensors commits only when begun as empty")
         if self.manifest is not None and self.tensors != len(self.manifest):
             raise ProtocolError(f"{len(self.manifest) - self.tensors} manifest tensors unsent")
-        if self.expectations is not None:
+        if self.expectations is not None and self.manifest is None:
             missing = self.expectations.missing(self.done)
             if missing:
                 raise missing_error(missing)

@@ -28,6 +28,7 @@ from aiosync.core.layout import (
     tensor_bytes,
 )
 from aiosync.core.manifest import Expectations, expectations_of, module_tensors
+from aiosync.engine.bulk_apply import CopyPrograms
 from aiosync.engine.callback_sink import CallbackSink, LoadWeights
 from aiosync.engine.sink_tools import Rename, rename_function, sync_cuda
 from aiosync.engine.staging import SWAPS, Staging, Swap
@@ -135,6 +136,8 @@ class ModuleSink:
         self._cast = cast
         self._dtypes = {n: dtype_name(t.dtype) for n, t in self.targets.items()} if cast else {}
         self._aliases: dict[str, str] = {}  # from expectations(): engine alias -> owner
+        self._tied: set[str] = set()  # every name of a tied tensor
+        self._programs = CopyPrograms()  # in place: repeated buckets in one call each
         self._writer: dict[str, str] = {}  # owner -> the sent name writing it this version
         self._assembling: dict[str, torch.Tensor] = {}  # chunks of a tensor to cast
 
@@ -155,6 +158,7 @@ class ModuleSink:
         """
         found = expectations_of(self.targets, self._required, cast=self._cast, rename=self._rename)
         self._aliases = found.aliases
+        self._tied = set(found.aliases) | set(found.aliases.values())
         return found
 
     @property
@@ -212,8 +216,22 @@ class ModuleSink:
             self._views = self._views or view is not None
         return dst, address, cached[1], cached[2]
 
+    def _as_is(self, spec: TensorSpec) -> torch.Tensor | None:
+        """The target a copy program writes ``spec`` into (in place, untied, not cast)."""
+        name = spec.name
+        if name in self._tied or (self._cast and spec.dtype != self._dtypes[name]):
+            return None
+        return self.targets.get(name)
+
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
-        """Copy each spec's bytes into its destination, then wait for the device to finish."""
+        """Copy each spec's bytes into its destination, then wait for the device to finish.
+
+        In place and without a rename, the small tensors of a bucket the session resolved
+        before (the same spec list) are copied by address without per-tensor lookups
+        (:mod:`aiosync.engine.bulk_apply`).
+        """
+        if self._staging is None and self._rename is None:
+            specs = self._programs.apply(bucket, specs, self._as_is)
         base = bucket.data_ptr() if bucket.is_cpu else None
         rename, cast = self._rename, self._cast
         once = bool(self._aliases) or rename is not None  # one target may have two names
@@ -271,6 +289,7 @@ class ModuleSink:
         return True
 
     def _committed(self, moved: Iterable[str]) -> None:
+        self._programs.version_done()
         if self._views:  # a moved key's shadow is another storage now: drop its cached view
             for key in moved:
                 self._bytes.pop(key, None)

@@ -51,6 +51,7 @@ class StreamRun:
         rebase: bool = False,
         packed: anyio.Event | None = None,
         check_snapshot: Callable[[], None] | None = None,
+        started: float | None = None,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
@@ -63,7 +64,8 @@ class StreamRun:
         self.progress = progress
         self._fanout: BucketFanout | None = None
         self._outcomes: dict[str, EngineOutcome] = {}
-        self._started = time.perf_counter()
+        # the send's start (before the sender read its tensors), for the report's seconds
+        self._started = time.perf_counter() if started is None else started
 
     # --- the whole version ------------------------------------------------------------
 

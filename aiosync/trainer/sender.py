@@ -17,8 +17,9 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 import uuid
-from collections.abc import Collection, ItemsView, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
@@ -31,19 +32,9 @@ import torch
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
-from aiosync.core.layout import (
-    ALIGNMENT,
-    MAX_BUCKET_ITEMS,
-    calculate_aligned_size,
-    plan_buckets,
-)
-from aiosync.core.manifest import (
-    TensorMeta,
-    build_manifest,
-    module_tensors,
-    unique_storage,
-    visible_pairs,
-)
+from aiosync.core.layout import ALIGNMENT, MAX_BUCKET_ITEMS, calculate_aligned_size
+from aiosync.core.manifest import TensorMeta
+from aiosync.core.planning import read_source
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
 from aiosync.pipeline.links import EngineLink
@@ -320,28 +311,30 @@ class WeightSender:
         progress: ProgressCallback | None,
         options: _Options,
     ) -> SyncReport:
-        pairs, entries = await anyio.to_thread.run_sync(self._read, source, manifest)
+        started = time.perf_counter()  # the report's seconds cover reading the tensors too
+        most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
+        read = await anyio.to_thread.run_sync(
+            read_source, source, manifest, self._capacity, min(MAX_BUCKET_ITEMS, most)
+        )
         if version is None:
             known = [v for v in self.remote_versions.values() if v is not None]
             version = max(known) + 1 if known else 0
+        pairs = read.pairs
         run = StreamRun(
             links=list(self._links.values()),
             plane=self._plane,  # type: ignore[arg-type]
             version=version,
-            manifest=entries,
+            manifest=read.manifest,
             policy=Policy(policy or self.config.policy),
             progress=progress,
             empty=options.empty,
             rebase=options.rebase,
             packed=options.packed,
             check_snapshot=snapshot_check(pairs) if self.config.check_snapshot and pairs else None,
-        )
-        most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
-        plans = plan_buckets(
-            source if pairs is None else pairs, self._capacity, min(MAX_BUCKET_ITEMS, most)
+            started=started,
         )
         try:
-            report = await run.run(plans)
+            report = await run.run(read.plans)
         except BaseException as group:
             exc = unwrap_group(group)
             if exc is group:
@@ -357,26 +350,6 @@ class WeightSender:
             ", ".join(report.committed),
         )
         return report
-
-    def _read(
-        self, source: Any, given: Manifest | None
-    ) -> tuple[Collection[tuple[str, Any]] | None, list[TensorMeta] | None]:
-        """The pairs that can be read without consuming ``source``, and the manifest.
-
-        Per-tensor work, so it runs in a worker thread. A module, a mapping or its
-        ``.items()`` sends each tensor once: a second name of the same tensor (tied
-        weights) is dropped when the manifest is read from the source itself.
-        """
-        if isinstance(source, torch.nn.Module):
-            source = module_tensors(source)
-        pairs = visible_pairs(source)
-        if given is None and isinstance(source, Mapping | ItemsView):
-            pairs = unique_storage(source.items() if isinstance(source, Mapping) else source)
-        if given is None:
-            return pairs, None if pairs is None else build_manifest(pairs, self._capacity)
-        if isinstance(given, Mapping):
-            return pairs, build_manifest(given.items(), self._capacity)
-        return pairs, list(given)
 
     async def _drop_broken(self) -> None:
         """Engines whose session broke leave the fleet; they are kept in ``lost_engines``."""

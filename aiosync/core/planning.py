@@ -1,0 +1,221 @@
+"""A version's manifest and its bucket plans, made in one pass over its tensors.
+
+A sender that can read its tensors without consuming them (a mapping, its ``.items()``, a
+list of pairs) needs both the manifest (sent first) and the bucket layout. Reading each
+tensor's dtype, shape and size costs more than anything else done with it when tensors are
+small, so :func:`lay_out` reads each once and builds both: manifest entries, bucket specs,
+each spec's manifest entry (so per-bucket slots need no lookup by name) and the groups of
+tiny tensors that :func:`~aiosync.core.layout.pack_bucket` copies in one call per dtype.
+Tensors larger than a buffer are only described here; their chunks are planned when the
+packer reaches them (:meth:`VersionLayout.buckets`), so at most one contiguous copy of such
+a tensor exists at a time, as with :func:`~aiosync.core.layout.plan_buckets`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, ItemsView, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aiosync.core.errors import MismatchError
+from aiosync.core.layout import (
+    _DTYPE_NAMES,
+    ALIGNMENT,
+    MAX_BUCKET_ITEMS,
+    TINY_BYTES,
+    BucketPlan,
+    TensorSpec,
+    chunk_plans,
+    plan_buckets,
+)
+from aiosync.core.manifest import (
+    TensorMeta,
+    build_manifest,
+    module_tensors,
+    unique_storage,
+    visible_pairs,
+)
+
+
+@dataclass
+class _Chunked:
+    """A tensor larger than a buffer: its chunk plans are made when the packer gets there."""
+
+    tensor: torch.Tensor
+    meta: TensorMeta
+    nbytes: int
+    entry: int
+
+
+@dataclass
+class VersionLayout:
+    """One version of visible tensors: its manifest and, in order, its planned buckets."""
+
+    manifest: list[TensorMeta]
+    items: list[BucketPlan | _Chunked] = field(default_factory=list)
+
+    def buckets(self, capacity: int) -> Iterator[BucketPlan]:
+        """The bucket plans in order; a chunked tensor is made contiguous when reached."""
+        for item in self.items:
+            if isinstance(item, BucketPlan):
+                yield item
+                continue
+            meta = item.meta
+            spec = TensorSpec(meta.name, meta.dtype, meta.shape, 0, item.nbytes)
+            for plan in chunk_plans(item.tensor, spec, capacity):
+                plan.entries.append(item.entry)
+                yield plan
+
+
+def lay_out(
+    pairs: Collection[tuple[str, Any]],
+    capacity: int,
+    max_items: int = MAX_BUCKET_ITEMS,
+    *,
+    dedupe: bool = False,
+) -> VersionLayout | None:
+    """The manifest and bucket plans of ``pairs`` in one pass; None if a value is no tensor.
+
+    None (an async result among the values) means: no manifest, plan lazily with
+    :func:`~aiosync.core.layout.plan_buckets`. ``dedupe`` sends each tensor once: a later
+    name of the same tensor (tied weights) is left out, as
+    :func:`~aiosync.core.manifest.unique_storage` does. The manifest and the buckets are
+    exactly what :func:`~aiosync.core.manifest.build_manifest` and
+    :func:`~aiosync.core.layout.plan_buckets` make of the same (deduplicated) pairs, with
+    the same errors (:class:`MismatchError` for a repeated name or a dtype that cannot be
+    streamed).
+    """
+    if capacity < ALIGNMENT or capacity % ALIGNMENT:
+        raise ValueError(f"buffer capacity must be a positive multiple of {ALIGNMENT}")
+    addresses: list[int] | None = [] if dedupe else None
+    layout = _one_pass(pairs, capacity, max_items, addresses)
+    if layout is None or addresses is None or len(set(addresses)) == len(addresses):
+        return layout
+    # two tensors at one address (tied weights, views): drop later names of one tensor first
+    return _one_pass(unique_storage(pairs), capacity, max_items, None)
+
+
+def _one_pass(
+    pairs: Collection[tuple[str, Any]],
+    capacity: int,
+    max_items: int,
+    addresses: list[int] | None,
+) -> VersionLayout | None:
+    """:func:`lay_out` without deduplication; each tensor's address goes to ``addresses``.
+
+    Everything per tensor is kept in local variables: at a hundred thousand tensors, each
+    attribute update saved is milliseconds.
+    """
+    manifest: list[TensorMeta] = []
+    items: list[BucketPlan | _Chunked] = []
+    sent: list[str] = []  # names, checked for repeats at the end (or at the first error)
+    names, tensor_type, tiny_bytes, align = _DTYPE_NAMES, torch.Tensor, TINY_BYTES, ALIGNMENT
+    tensors: list[torch.Tensor] = []
+    specs: list[TensorSpec] = []
+    entries: list[int] = []
+    tiny: dict[str, list[int]] = {}
+    group_dtype, group = "", list[int]()
+    count = payload = used = entry = 0
+    for name, tensor in pairs:
+        if type(tensor) is not tensor_type and not isinstance(tensor, tensor_type):
+            return None
+        if addresses is not None:
+            addresses.append(tensor.data_ptr())
+        sent.append(name)
+        dtype = names.get(tensor.dtype)
+        if dtype is None:
+            _check_names(sent)
+            raise MismatchError(f"dtype {tensor.dtype} cannot be streamed", tensor=name)
+        shape = tuple(tensor.shape)
+        nbytes = tensor.nbytes
+        aligned = -(-nbytes // align) * align
+        if aligned > capacity or (count and (used + aligned > capacity or count >= max_items)):
+            if count:
+                items.append(BucketPlan(tensors, specs, used, entries, tiny, count, payload))
+                tensors, specs, entries, tiny = [], [], [], {}
+                group_dtype, group = "", []
+                count = payload = used = 0
+            if aligned > capacity:
+                meta = TensorMeta(name, dtype, shape, -(-nbytes // capacity))
+                manifest.append(meta)
+                items.append(_Chunked(tensor, meta, nbytes, entry))
+                entry += 1
+                continue
+        manifest.append(TensorMeta(name, dtype, shape))
+        if nbytes <= tiny_bytes and len(shape) == 1:
+            if dtype != group_dtype:
+                group_dtype = dtype
+                group = tiny.setdefault(dtype, [])
+            group.append(count)
+        tensors.append(tensor)
+        specs.append(TensorSpec(name, dtype, shape, used, nbytes))
+        entries.append(entry)
+        entry += 1
+        count += 1
+        payload += nbytes
+        used += aligned
+    if count:
+        items.append(BucketPlan(tensors, specs, used, entries, tiny, count, payload))
+    _check_names(sent)
+    return VersionLayout(manifest, items)
+
+
+def _check_names(names: list[str]) -> None:
+    """Raise :class:`MismatchError` naming the first name that appears twice."""
+    if len(set(names)) == len(names):
+        return
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise MismatchError(f"tensor {name!r} appears twice in one version", tensor=name)
+        seen.add(name)
+
+
+@dataclass
+class VersionSource:
+    """What a sender reads of one version before streaming it.
+
+    ``pairs`` are the (name, tensor) pairs readable without consuming the source (None for
+    a generator), ``manifest`` the version's manifest if known, ``plans`` its buckets (a
+    generator's are planned as it is consumed).
+    """
+
+    pairs: Collection[tuple[str, Any]] | None
+    manifest: list[TensorMeta] | None
+    plans: Iterator[BucketPlan]
+
+
+def read_source(
+    source: Any,
+    given: Sequence[TensorMeta] | Mapping[str, torch.Tensor] | None,
+    capacity: int,
+    max_items: int = MAX_BUCKET_ITEMS,
+) -> VersionSource:
+    """Read ``source`` (and the ``given`` manifest, if any) into what a send streams.
+
+    Per-tensor work: a sender runs it in a worker thread. A module, a mapping or its
+    ``.items()`` sends each tensor once: a second name of the same tensor (tied weights)
+    is dropped when the manifest is read from the source itself. Without ``given``, the
+    manifest and the plans come from one pass (:func:`lay_out`).
+    """
+    if isinstance(source, torch.nn.Module):
+        source = module_tensors(source)
+    pairs = visible_pairs(source)
+    if given is None and pairs is not None:
+        dedupe = isinstance(source, Mapping | ItemsView)
+        layout = lay_out(pairs, capacity, max_items, dedupe=dedupe)
+        if layout is not None:
+            return VersionSource(pairs, layout.manifest, layout.buckets(capacity))
+        if dedupe:  # values still to be waited for: no manifest, as each bucket names its own
+            pairs = unique_storage(pairs)
+        return VersionSource(pairs, None, plan_buckets(pairs, capacity, max_items))
+    if given is None:
+        return VersionSource(None, None, plan_buckets(source, capacity, max_items))
+    if isinstance(given, Mapping):
+        manifest = build_manifest(given.items(), capacity)
+    else:
+        manifest = list(given)
+    plans = plan_buckets(source if pairs is None else pairs, capacity, max_items)
+    return VersionSource(pairs, manifest, plans)
