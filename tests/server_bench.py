@@ -120,6 +120,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             direct = (await timed(sender, model, range(args.baseline + 1)))[1:]
         engine.terminate()
         out["direct_s"] = statistics.median(direct)
+        out["direct_min_s"] = min(direct)
 
         # 2. the server with N subscribers connected but not copying
         server = spawn("-m", "aiosync", "serve", "--retain", "2", "--timeout", str(WAIT))
@@ -149,6 +150,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         async with WeightSender(publish, config=config) as sender:
             idle = await timed(sender, model, range(half))
             out["server_idle_subscribers_s"] = statistics.median(idle[1:])
+            out["server_idle_min_s"] = min(idle)  # steady state: retired segments reused
             # 3. full fan-out: every subscriber follows the newest from now on
             for sub in subs:
                 assert sub.stdin is not None
@@ -157,6 +159,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             busy = await timed(sender, model, range(half, args.versions))
             out["server_fanout_s"] = statistics.median(busy)
             out["server_fanout_max_s"] = max(busy)
+            out["server_fanout_min_s"] = min(busy)
         newest = args.versions - 1
         expected = tensor_digest(model)
         digests = [await event(sub, "digest") for sub in subs]
