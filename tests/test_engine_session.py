@@ -1237,3 +1237,55 @@ def test_expired_stream_then_late_bucket_is_answered_with_an_abort() -> None:
     abort = reply(actions)
     assert isinstance(abort, Abort)
     assert "bucket before hello" in abort.reason
+
+
+# --------------------------------------------------------------------------------------
+# the last whole stream, replayed
+# --------------------------------------------------------------------------------------
+
+
+def test_a_whole_stream_is_remembered_and_an_equal_one_replays_it() -> None:
+    engine = connected(model(), current=0)
+    first = stream(engine, 1, manifest=list(MANIFEST))
+    finish(engine, 1, 2, 2)
+    memory = engine.memory
+    assert memory is not None
+    assert memory.manifest == MANIFEST
+    second = stream(engine, 2, manifest=list(MANIFEST))
+    replayed = engine.sessions[PEER].stream
+    assert replayed is not None
+    assert replayed.manifest is memory.manifest  # not checked again
+    assert [a.specs for a in applies(second)] == [a.specs for a in applies(first)]
+    assert all(a.specs is r.specs for a, r in zip(applies(second), memory.records, strict=True))
+    finish(engine, 2, 2, 2)
+    assert engine.memory is memory
+    assert engine.current_version == 2
+
+
+def test_a_stream_that_fails_is_not_remembered() -> None:
+    engine = connected(model(), current=0)
+    stream(engine, 1, manifest=list(MANIFEST))
+    finish(engine, 1, 2, 2)
+    memory = engine.memory
+    stream(engine, 2, manifest=list(MANIFEST), names=("b", "a"))  # other buckets
+    ack = reply(send(engine, Complete(2, 3, 2, 1)))  # miscounted
+    assert isinstance(ack, Ack)
+    assert not ack.ok
+    assert engine.memory is memory
+    stream(engine, 3, manifest=list(MANIFEST), names=("b", "a"))
+    finish(engine, 3, 2, 2)
+    assert engine.memory is not memory  # the new order is the one to replay now
+
+
+def test_a_remembered_manifest_still_meets_the_version_checks() -> None:
+    engine = connected(model(), current=0)
+    stream(engine, 1, manifest=list(MANIFEST))
+    finish(engine, 1, 2, 2)
+    ack = reply(send(engine, Begin(1, list(MANIFEST))))  # not newer
+    assert isinstance(ack, Ack)
+    assert not ack.ok
+    assert "not newer" in (ack.error or "")
+    bigger = [*MANIFEST, TensorMeta("c", "float32", (4,))]
+    ack = reply(send(engine, Begin(2, bigger)))
+    assert isinstance(ack, Ack)
+    assert ack.tensor == "c"
