@@ -24,6 +24,7 @@ from aiosync import ModuleSink
 from aiosync.core.bulk_copy import pack_tiny, scatter_bytes
 from aiosync.core.errors import AiosyncError, MismatchError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec, pack_bucket, plan_buckets, view_spec
+from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import build_manifest, expectations_of, unique_storage
 from aiosync.core.planning import lay_out, read_source
@@ -392,3 +393,63 @@ def test_tied_names_and_casts_still_go_the_sink_s_way() -> None:
     assert torch.equal(model["alias"], torch.ones(2))
     assert torch.equal(model["half"], torch.full((2,), 1.5))
     assert all(torch.equal(model[n], sent[n]) for n in small(30))
+
+
+# --------------------------------------------------------------------------------------
+# the sender's last layout, reused
+# --------------------------------------------------------------------------------------
+
+
+def layout_equal(a: Any, b: Any) -> bool:
+    plans_a, plans_b = plans_of(a), plans_of(b)
+    return (
+        a.manifest == b.manifest
+        and [p.specs for p in plans_a] == [p.specs for p in plans_b]
+        and [p.entries for p in plans_a] == [p.entries for p in plans_b]
+        and [p.tiny for p in plans_a] == [p.tiny for p in plans_b]
+        and all(
+            all(x is y for x, y in zip(p.tensors, q.tensors, strict=True))
+            for p, q in zip(plans_a, plans_b, strict=True)
+        )
+    )
+
+
+CHANGES = {
+    "values only": lambda t: {n: v + 1 for n, v in t.items()},  # new objects, same looks
+    "a shape": lambda t: {**t, "a": torch.zeros(4)},
+    "a dtype": lambda t: {**t, "d": t["d"].int()},
+    "a name": lambda t: {("z" if n == "a" else n): v for n, v in t.items()},
+    "one more": lambda t: {**t, "new": torch.ones(1)},
+    "one less": lambda t: {n: v for n, v in t.items() if n != "b"},
+    "a tie": lambda t: {**t, "c": t["a"]},
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_kept_layout_is_what_a_fresh_pass_makes(change: str) -> None:
+    memory = LayoutMemory()
+    first = mixed()
+    assert layout_equal(
+        memory.lay_out(first.items(), CAPACITY, 3, dedupe=True),
+        lay_out(first.items(), CAPACITY, 3, dedupe=True),
+    )
+    again = memory.lay_out(first.items(), CAPACITY, 3, dedupe=True)
+    assert again is not None
+    assert again.manifest is memory._kept.layout.manifest  # type: ignore[union-attr]
+    changed = CHANGES[change](first)
+    ours = memory.lay_out(changed.items(), CAPACITY, 3, dedupe=True)
+    assert layout_equal(ours, lay_out(changed.items(), CAPACITY, 3, dedupe=True))
+
+
+def test_a_kept_layout_is_not_used_for_other_buffers_or_async_values() -> None:
+    memory = LayoutMemory()
+    tensors = mixed()
+    memory.lay_out(tensors.items(), CAPACITY, 3)
+    bigger = memory.lay_out(tensors.items(), 2 * CAPACITY, 3)
+    assert layout_equal(bigger, lay_out(tensors.items(), 2 * CAPACITY, 3))
+
+    class Pending:
+        def wait(self) -> torch.Tensor:
+            return torch.ones(3)
+
+    assert memory.lay_out({**tensors, "a": Pending()}.items(), 2 * CAPACITY, 3) is None

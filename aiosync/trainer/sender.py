@@ -33,6 +33,7 @@ from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
 from aiosync.core.layout import ALIGNMENT, MAX_BUCKET_ITEMS, calculate_aligned_size
+from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.planning import read_source
 from aiosync.core.trainer_session import LinkSession, Policy
@@ -123,6 +124,7 @@ class WeightSender:
         self._stack: AsyncExitStack | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._sending = False
+        self._layouts = LayoutMemory()  # the last version's layout, reused if it still fits
 
     @property
     def engines(self) -> list[str]:
@@ -314,7 +316,12 @@ class WeightSender:
         started = time.perf_counter()  # the report's seconds cover reading the tensors too
         most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
         read = await anyio.to_thread.run_sync(
-            read_source, source, manifest, self._capacity, min(MAX_BUCKET_ITEMS, most)
+            read_source,
+            source,
+            manifest,
+            self._capacity,
+            min(MAX_BUCKET_ITEMS, most),
+            self._layouts,
         )
         if version is None:
             known = [v for v in self.remote_versions.values() if v is not None]
