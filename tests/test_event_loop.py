@@ -23,6 +23,7 @@ import torch
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
 from aiosync.core import engine_session, planning
+from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.wire import Begin, Bucket, Complete
 from aiosync.planes.shm import ShmSenderPlane
 from aiosync.runtime import child_env
@@ -39,7 +40,7 @@ async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.Monke
         seen.setdefault(step, set()).add(threading.get_ident())
 
     buckets = planning.VersionLayout.buckets
-    lay_out = planning.lay_out
+    lay_out = LayoutMemory.lay_out
 
     def recording_plan(self: planning.VersionLayout, capacity: int) -> Iterator[Any]:
         for plan in buckets(self, capacity):
@@ -69,7 +70,7 @@ async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.Monke
             super().apply_bucket(bucket, specs)
 
     monkeypatch.setattr(planning.VersionLayout, "buckets", recording_plan)
-    monkeypatch.setattr(planning, "lay_out", recording_manifest)
+    monkeypatch.setattr(LayoutMemory, "lay_out", recording_manifest)
     monkeypatch.setattr(ShmSenderPlane, "pack", recording_pack)
     monkeypatch.setattr(engine_session.EngineSession, "receive", recording_receive)
 
