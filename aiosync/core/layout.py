@@ -26,25 +26,11 @@ TINY_BYTES = ALIGNMENT
 (:func:`~aiosync.core.bulk_copy.pack_tiny`): for such tensors a call per tensor costs many
 times the copy."""
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: dtype
-    for name, dtype in (
-        ("float64", torch.float64),
-        ("float32", torch.float32),
-        ("float16", torch.float16),
-        ("bfloat16", torch.bfloat16),
-        ("complex64", torch.complex64),
-        ("complex128", torch.complex128),
-        ("int64", torch.int64),
-        ("int32", torch.int32),
-        ("int16", torch.int16),
-        ("int8", torch.int8),
-        ("uint8", torch.uint8),
-        ("bool", torch.bool),
-        ("float8_e4m3fn", getattr(torch, "float8_e4m3fn", None)),
-        ("float8_e5m2", getattr(torch, "float8_e5m2", None)),
-    )
-    if dtype is not None
+_STREAMED = "float64 float32 float16 bfloat16 complex64 complex128 int64 int32 int16 int8 uint8"
+_DTYPES: dict[str, torch.dtype] = {  # wire name -> dtype; the wire names are torch's own
+    name: getattr(torch, name)
+    for name in (*_STREAMED.split(), "bool", "float8_e4m3fn", "float8_e5m2")
+    if isinstance(getattr(torch, name, None), torch.dtype)  # float8: recent torch only
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
 
@@ -157,22 +143,22 @@ class BucketPlan:
     Tensors and specs are kept in two parallel lists rather than as one object per tensor:
     a version of many small tensors then allocates little that the garbage collector must
     scan (specs are not tracked by it), which keeps collections, and the pauses they cause
-    on every thread, short.
+    on every thread, short. What a planner that knew the manifest adds: ``entries``, each
+    spec's manifest entry; ``tiny``, the positions of whole one-dimensional tensors of at
+    most :data:`TINY_BYTES` by dtype, which :func:`pack_bucket` copies one group per call
+    (:func:`~aiosync.core.bulk_copy.pack_tiny`); ``whole`` and ``payload``, the counts
+    behind :attr:`whole_tensors` and :attr:`payload_bytes` (-1: count the specs); and
+    ``slots``, the bucket message's slots once a sender made them (reused with the plan).
     """
 
     tensors: list[torch.Tensor] = field(default_factory=list)
     specs: list[TensorSpec] = field(default_factory=list)
     used: int = 0
     entries: list[int] = field(default_factory=list)
-    """Each spec's manifest entry, when the planner knew the manifest (else empty)."""
     tiny: dict[str, list[int]] = field(default_factory=dict)
-    """Positions of whole one-dimensional tensors of at most :data:`TINY_BYTES`, by dtype:
-    :func:`pack_bucket` copies each such group in one call
-    (:func:`~aiosync.core.bulk_copy.pack_tiny`)."""
     whole: int = -1
-    """:attr:`whole_tensors` as counted by the planner (-1: count the specs)."""
     payload: int = -1
-    """:attr:`payload_bytes` as counted by the planner (-1: add up the specs)."""
+    slots: list[Any] | None = None
 
     @property
     def payload_bytes(self) -> int:

@@ -74,6 +74,7 @@ class _Kept:
                     item.tiny,
                     item.whole,
                     item.payload,
+                    item.slots,
                 )
             )
             at += count

@@ -7,10 +7,11 @@ the sink expects, and at the end says whether the version is whole.
 A trainer usually sends the same manifest and the same buckets every version. The last
 stream that came out whole is kept (:class:`StreamMemory`): a version whose manifest equals
 its manifest skips the manifest's checks, and while each bucket equals the one at the same
-place in that stream (buffer, bytes used and every slot, compared whole), its checked specs
-are taken as they were. The first difference ends the replay: what was replayed is tracked
-again and from then on every bucket is checked as usual. Equal messages pass the same
-checks, so nothing different is ever accepted this way.
+place in that stream (bytes used and every slot, compared whole; the buffer it lies in may
+differ, and must be large enough), its checked specs are taken as they were. The first
+difference ends the replay: what was replayed is tracked again and from then on every
+bucket is checked as usual. Equal messages pass the same checks, so nothing different is
+ever accepted this way.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def check_manifest_form(manifest: list[TensorMeta], max_name_length: int) -> Non
 class _Record:
     """One checked bucket of a stream: what it said and the specs it resolved to."""
 
-    buffer: int
     used: int
     slots: list[Slot]
     specs: list[TensorSpec]
@@ -133,7 +133,7 @@ class StreamState:
         totals = validate_specs(specs, bucket.used, sizes[bucket.buffer], totals)
         self._track_bucket(specs, planned, totals)
         if self.manifest is not None:
-            record = _Record(bucket.buffer, bucket.used, bucket.slots, specs, planned, totals)
+            record = _Record(bucket.used, bucket.slots, specs, planned, totals)
             self.records.append(record)
         return specs
 
@@ -144,8 +144,8 @@ class StreamState:
         if len(records) < len(known):
             record = known[len(records)]
             if (
-                (record.buffer, record.used) == (bucket.buffer, bucket.used)
-                and bucket.used <= capacity
+                record.used == bucket.used
+                and bucket.used <= capacity  # in whichever buffer it is now
                 and not bucket.specs
                 and record.slots == bucket.slots
             ):

@@ -161,10 +161,12 @@ class BucketFanout:
         self.sent_tensors += tensors
         seq = self.sent_buckets
         if self.manifest is not None and len(plan.entries) == len(plan.specs):
-            # the planner read the manifest with the tensors: entries known, no lookups
-            pairs = zip(plan.entries, plan.specs, strict=True)
-            slots = [Slot(entry, s.offset, s.nbytes, s.start) for entry, s in pairs]
-            bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
+            # the planner read the manifest with the tensors: entries known, no lookups;
+            # a plan reused from the last version brings the slots made for it then
+            if plan.slots is None:
+                pairs = zip(plan.entries, plan.specs, strict=True)
+                plan.slots = [Slot(entry, s.offset, s.nbytes, s.start) for entry, s in pairs]
+            bucket = Bucket(self.version, seq, index, plan.used, slots=plan.slots)
         elif self.manifest is not None:
             slots = [self._slot(spec) for spec in plan.specs]
             bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
