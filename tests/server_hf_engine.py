@@ -4,7 +4,9 @@ Run as ``python -m tests.server_hf_engine --control ENDPOINT --name NAME``. It b
 model of :mod:`tests.hf_peers` (random init, nothing downloaded), subscribes with a staged
 :class:`~aiosync.ModuleSink`, and once a first version is live runs greedy-generation
 requests back to back, each inside a read lease in a worker thread, printing ``request``
-(prompt, output, version) for each until stdin closes; then ``finished``.
+(prompt, output, version) for each until stdin closes; then ``finished``. With
+``--wait-go`` it loads first and subscribes only after a line on stdin (a test starts it
+early, since importing torch and transformers takes seconds, and says when to join).
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ def main() -> None:
     parser.add_argument("--control", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--wait-go", action="store_true", help="subscribe only after a line on stdin"
+    )
     args = parser.parse_args()
     deterministic()
     model = build_model("llama")
 
     async def serve() -> None:
+        if args.wait_go:  # started early (imports are slow), joins when told
+            emit("loaded", name=args.name)
+            await anyio.to_thread.run_sync(sys.stdin.readline)
         sub = Subscriber(args.control, ModuleSink(model, staged=True), name=args.name)
         async with sub:
             emit("ready", name=args.name, version=sub.current_version)

@@ -3,7 +3,9 @@
 A trainer process (tests/hf_peers.py) steps a tiny random-init Llama, saves each version's
 weights and publishes it to an embedded :class:`WeightServer`; engine processes
 (tests/server_hf_engine.py) generate greedily with the weights they receive: one from the
-start (killed outright mid-run and restarted), one joining late. Every output is then
+start (killed outright mid-run and restarted: a new process subscribes after the kill),
+one joining late. The joining processes start early and subscribe when told, since
+importing torch and transformers takes seconds. Every output is then
 recomputed here from the saved weights of the version it reported, with the same
 settings, and must be equal.
 """
@@ -107,13 +109,15 @@ async def run_fleet(tmp_path: Path) -> None:
     async with WeightServer(ServerConfig(timeout=HANG)) as server:
         with ExitStack() as stack:
 
-            def engine(name: str) -> Peer:
+            def engine(name: str, *extra: str) -> Peer:
                 argv = ("tests.server_hf_engine", "--control", server.control_endpoint)
-                peer = Peer(name, events, *argv, "--name", name, "--seed", str(len(name)))
+                peer = Peer(name, events, *argv, "--name", name, "--seed", str(len(name)), *extra)
                 stack.callback(peer.close)
                 return peer
 
             engines = {"a": engine("a")}
+            # started now (imports take seconds), subscribing only when told
+            waiting_to_join = {"late": engine("late", "--wait-go"), "a2": engine("a2", "--wait-go")}
             dead: set[str] = {"trainer"}  # the trainer exits on its own once done
             trainer = Peer(
                 "trainer",
@@ -134,6 +138,8 @@ async def run_fleet(tmp_path: Path) -> None:
             while not done or any(n not in finished for n in engines if n not in dead):
                 name, event = await next_event(dead)
                 kind = event["event"]
+                if kind == "loaded":
+                    continue
                 if kind == "request":
                     requests.append(event)
                     seen[name] = max(seen.get(name, -1), event["version"])
@@ -150,12 +156,14 @@ async def run_fleet(tmp_path: Path) -> None:
                             engines[n].proc.stdin.close()  # type: ignore[union-attr]
                 if waiting is not None and all(seen.get(n, -1) >= waiting for n in live):
                     if waiting == LATE_AT and "late" not in engines:
-                        engines["late"] = engine("late")  # joins late: served at once
+                        engines["late"] = waiting_to_join.pop("late")
+                        engines["late"].say("go\n")  # joins late: served at once
                         continue
                     if waiting == RESTART_AT and "a2" not in engines:
                         engines["a"].proc.send_signal(signal.SIGKILL)  # killed mid-run
                         dead.add("a")
-                        engines["a2"] = engine("a2")  # ... and restarted
+                        engines["a2"] = waiting_to_join.pop("a2")
+                        engines["a2"].say("go\n")  # ... and restarted (a new process)
                         continue
                     if waiting + 1 < VERSIONS:
                         trainer.say("\n")
