@@ -186,3 +186,29 @@ async def test_control_channel_refuses_garbage_and_bad_subscriptions() -> None:
             with pytest.raises(RejectedError, match="subscription"):
                 await client.request(m.Fetch(0))
             assert (await client.status()).engines == []
+
+
+async def test_hostile_values_in_well_formed_requests_leave_the_server_serving() -> None:
+    nan = float("nan")
+    async with WeightServer(ServerConfig(timeout=WAIT, max_wait=0.5)) as server:
+        for request in (
+            m.Wait(nan),  # clamped to 0: answered at once
+            m.Wait(float("inf"), version=-(2**62), engines=["x" * 5000] * 100),  # max_wait
+            m.Pull(None, nan),
+            m.Get(2**62, -1),
+            m.Fetch(-1),
+            m.Follow(),
+        ):
+            async with ServerClient(server.control_endpoint) as client:
+                try:
+                    status = await client.request(request, timeout=WAIT)
+                    assert isinstance(status, m.Status)
+                except (RejectedError, SyncTimeoutError):
+                    pass
+        held = empty()
+        async with (
+            WeightSender(server.publish_endpoint, config=SMALL) as sender,
+            Subscriber(server.control_endpoint, ModuleSink(held), name="after") as sub,
+        ):
+            await sender.send(model(1), version=1)
+            assert await sub.wait_for_version(1, WAIT) == 1  # still serving

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -133,3 +135,23 @@ def test_index_rebuilds_manifest_and_slots_from_specs() -> None:
     assert retained.nbytes == 4112
     assert [s.entry for s in buckets[0].slots] == [0, 1]
     assert buckets[1].slots[0].start == 2048
+
+
+def test_peer_waits_are_clamped() -> None:
+    from aiosync.server.messages import bounded_wait
+
+    assert bounded_wait(float("nan"), 10) == 0.0
+    assert bounded_wait(float("-inf"), 10) == 0.0
+    assert bounded_wait(float("inf"), 10) == 10
+    assert bounded_wait(2.5, 10) == 2.5
+
+
+@given(st.binary(max_size=256))
+def test_undecodable_control_bytes_are_a_protocol_error(data: bytes) -> None:
+    from aiosync.core.errors import ProtocolError
+    from aiosync.server import messages as m
+
+    with contextlib.suppress(ProtocolError):
+        m.decode_request(data)
+    with pytest.raises(ProtocolError):
+        m.decode_request(b"\x00" * (m.MAX_CONTROL_BYTES + 1))

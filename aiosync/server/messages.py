@@ -159,6 +159,13 @@ _requests = msgspec.msgpack.Decoder(Request)
 _replies = msgspec.msgpack.Decoder(Reply)
 
 
+def bounded_wait(seconds: float, most: float) -> float:
+    """A peer's wait in seconds, clamped to ``[0, most]`` (NaN counts as 0)."""
+    if not seconds > 0:  # also NaN
+        return 0.0
+    return min(seconds, most)
+
+
 def encode(message: ControlMessage) -> bytes:
     """One control message as msgpack bytes."""
     return _encoder.encode(message)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -78,7 +79,7 @@ class RelayDesk:
 
     async def pull(self, channel: Channel, request: m.Pull, max_wait: float) -> m.Reply:
         """Wait for a version newer than the relay's; answer with its head."""
-        with anyio.move_on_after(min(max(request.timeout, 0.0), max_wait)):
+        with anyio.move_on_after(m.bounded_wait(request.timeout, max_wait)):
             while True:
                 newest = self.store.newest
                 if newest is not None and (request.have is None or newest > request.have):
@@ -113,7 +114,7 @@ class RelayDesk:
             for offset in range(0, bucket.used, m.CHUNK_BYTES):
                 piece = memoryview(data[offset : offset + m.CHUNK_BYTES].numpy().data)
                 payload = m.encode(m.Chunk(request.version, request.bucket, offset, piece))
-                with anyio.fail_after(timeout):
+                with _bounded(timeout, "room to send a chunk", channel.peer):
                     await channel.send(payload)
                 self.bytes_sent += len(piece)
         finally:
@@ -169,9 +170,9 @@ class Relay:
 
         return _Owned(ZmqChannel.connect(self.upstream, auth=self.auth))
 
-    async def _ask(self, channel: Channel, request: m.Request) -> m.Reply:
-        await channel.send(m.encode(request))
-        with anyio.fail_after(self.timeout):
+    async def _ask(self, channel: Channel, request: m.Request, seconds: float) -> m.Reply:
+        with _bounded(seconds, f"answer to {type(request).__name__}", self.upstream):
+            await channel.send(m.encode(request))
             reply = m.decode_reply(await channel.recv(), m.MAX_RELAY_REPLY)
         if isinstance(reply, m.Refused):
             raise RejectedError(reply.reason, peer=self.upstream)
@@ -188,8 +189,7 @@ class Relay:
         up as a broken connection would, keeping them for the next attempt.
         """
         have = self.store.newest
-        with anyio.fail_after(wait + self.timeout):
-            head = await self._ask(channel, m.Pull(have, wait))
+        head = await self._ask(channel, m.Pull(have, wait), wait + self.timeout)
         if not isinstance(head, m.Head):
             raise ProtocolError(f"expected a head, got {type(head).__name__}", peer=self.upstream)
         local = self._local_index()
@@ -274,7 +274,7 @@ class Relay:
         view = data.numpy()
         received = 0
         while received < bucket.used:
-            with anyio.fail_after(self.timeout):
+            with _bounded(self.timeout, "chunk", self.upstream):
                 reply = m.decode_reply(await channel.recv(), m.MAX_RELAY_REPLY)
             if isinstance(reply, m.Refused):
                 raise RejectedError(reply.reason, peer=self.upstream)
@@ -290,6 +290,15 @@ class Relay:
         if await anyio.to_thread.run_sync(bucket_digest, data) != bucket.digest:
             raise ProtocolError(f"bucket {index} does not match its digest", version=version)
         return data
+
+
+@contextmanager
+def _bounded(seconds: float, what: str, peer: str) -> Iterator[None]:
+    """A wait of at most ``seconds``; past it a :class:`SyncTimeoutError` naming the peer."""
+    with anyio.move_on_after(seconds) as scope:
+        yield
+    if scope.cancelled_caught:
+        raise SyncTimeoutError(f"no {what} within {seconds:g}s", peer=peer)
 
 
 def _check_specs(specs: list[TensorSpec], used: int) -> None:

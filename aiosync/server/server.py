@@ -286,7 +286,7 @@ class WeightServer:
         if isinstance(request, m.StatusRequest):
             return self.status()
         if isinstance(request, m.Wait):
-            timeout = min(max(request.timeout, 0.0), self.config.max_wait)
+            timeout = m.bounded_wait(request.timeout, self.config.max_wait)
             engines = request.engines[: self.config.max_subscribers] if request.engines else None
             try:
                 if request.version is None:
