@@ -99,3 +99,84 @@ async def test_interrupted_pull_resumes_with_only_the_missing_buckets(tmp_path: 
             store.close()
         assert not upstream.store.book.pinned(0)  # a relay holds no pin between buckets
         assert not upstream.store.book.pinned(1)
+
+
+def test_a_relay_process_killed_mid_pull_fetches_only_the_rest_after_restart(
+    tmp_path: Path,
+) -> None:
+    """``aiosync serve --upstream ... --resume-dir D`` is killed (SIGKILL) while pulling a
+    version, then started again: it reads back what it had saved and fetches only the rest."""
+    import anyio
+
+    anyio.run(killed_relay_resumes, tmp_path)  # once, on asyncio: the processes are slow
+
+
+async def killed_relay_resumes(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    import anyio
+
+    from aiosync.runtime import child_env
+
+    loopback = ChannelAuth(insecure_loopback=True)
+    config = ServerConfig(control_endpoint="tcp://127.0.0.1:0", auth=loopback, timeout=WAIT)
+    resume = tmp_path / "resume"
+    async with (
+        WeightServer(config) as upstream,
+        WeightSender(upstream.publish_endpoint, config=SMALL) as sender,
+    ):
+        await sender.send(model(0), version=0)
+        retained = upstream.store.pin(0)
+        assert retained is not None
+        sizes = [bucket.used for bucket in retained.buckets]
+        upstream.store.unpin(0)
+        served, stall = 0, anyio.Event()
+        real_get = upstream.relays.get
+
+        async def stalling_get(channel, request, timeout):  # type: ignore[no-untyped-def]
+            nonlocal served
+            if served == 3:  # the relay has three buckets; the fourth never comes
+                stall.set()
+                await anyio.sleep_forever()
+            served += 1
+            return await real_get(channel, request, timeout)
+
+        upstream.relays.get = stalling_get  # type: ignore[method-assign]
+        argv = [sys.executable, "-m", "aiosync", "serve", "--insecure-loopback"]
+        argv += ["--upstream", upstream.control_endpoint, "--resume-dir", str(resume)]
+
+        def start() -> subprocess.Popen[str]:
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env())
+
+        first = start()
+        try:
+            with anyio.fail_after(WAIT):
+                await stall.wait()  # three buckets sent, the fourth asked for
+                while len([p for p in resume.iterdir() if p.suffix != ".part"]) < 3:
+                    await anyio.sleep(0.01)  # another process: no event to wait on
+            first.kill()  # mid-version, outright
+            first.wait(timeout=WAIT)
+        finally:
+            if first.poll() is None:
+                first.kill()
+            first.communicate(timeout=WAIT)
+        assert upstream.relays.bytes_sent == sum(sizes[:3])
+        assert len([p for p in resume.iterdir() if p.suffix != ".part"]) == 3  # by digest
+        upstream.relays.get = real_get  # type: ignore[method-assign]
+        second = start()
+        try:
+            assert second.stdout is not None
+            with anyio.fail_after(WAIT):
+                line = await anyio.to_thread.run_sync(second.stdout.readline)
+            control = json.loads(line)["control"]
+            there = empty()
+            async with Subscriber(control, ModuleSink(there), name="far") as far:
+                assert await far.wait_for_version(0, WAIT) == 0
+            assert same(there, model(0))
+            assert upstream.relays.bytes_sent == sum(sizes)  # the rest, and only the rest
+            assert not list(resume.iterdir())  # retained: the saved buckets are gone
+        finally:
+            second.terminate()
+            second.communicate(timeout=WAIT)

@@ -65,6 +65,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--upstream-key", metavar="FILE", help="the upstream server's public key file (with keys)"
     )
     parser.add_argument(
+        "--resume-dir",
+        metavar="DIR",
+        help="relay: keep the buckets of a version being pulled here, so that a restarted "
+        "relay fetches only the missing ones (made 0700)",
+    )
+    parser.add_argument(
         "--insecure-loopback",
         action="store_true",
         help="allow plain tcp on 127.0.0.1 without keys (any local user can then connect)",
@@ -110,6 +116,7 @@ def serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             upstream=args.upstream,
             upstream_auth=upstream_auth,
+            resume_dir=args.resume_dir,
         )
         async with WeightServer(config) as server:
             emit(

@@ -24,7 +24,9 @@ class ServerConfig:
     ``metrics_port`` (None: off) serves ``/metrics`` and ``/healthz`` on ``metrics_host``,
     which must be loopback. ``upstream`` makes this server a relay: it pulls every new
     version from that server's control endpoint (``upstream_auth``: its CURVE client keys)
-    and serves it here (:mod:`aiosync.server.relay`).
+    and serves it here (:mod:`aiosync.server.relay`); with ``resume_dir`` it saves the
+    buckets of a version it is pulling there, so that after a restart it fetches only the
+    missing ones.
     """
 
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
@@ -43,6 +45,7 @@ class ServerConfig:
     name: str = ""
     upstream: str | None = None
     upstream_auth: ChannelAuth | None = None
+    resume_dir: str | None = None
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.max_wait, self.memory_timeout) <= 0:

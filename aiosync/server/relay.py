@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import torch
@@ -129,7 +133,10 @@ class Relay:
     """Pulls versions from ``upstream`` into ``store``; ``published(version)`` after each.
 
     Buckets received from an interrupted attempt are kept (host memory, by digest, one
-    version's worth) so that the next attempt fetches only what is missing.
+    version's worth) so that the next attempt fetches only what is missing. With
+    ``resume_dir`` they are also written there (one file per bucket, named by its digest,
+    checked against it when read back), so a relay *process* that was killed and started
+    again fetches only what is missing too; the files go once the version is retained.
     """
 
     def __init__(
@@ -140,8 +147,10 @@ class Relay:
         *,
         auth: ChannelAuth | None = None,
         timeout: float = 60.0,
+        resume_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.upstream = upstream
+        self.resume_dir = None if resume_dir is None else _private_dir(Path(resume_dir))
         self.store = store
         self.published = published
         self.auth = auth
@@ -193,6 +202,8 @@ class Relay:
         if not isinstance(head, m.Head):
             raise ProtocolError(f"expected a head, got {type(head).__name__}", peer=self.upstream)
         local = self._local_index()
+        if self.resume_dir is not None:
+            await anyio.to_thread.run_sync(self._load_saved, head, local)
         firsts = {bucket.digest: i for i, bucket in reversed(list(enumerate(head.buckets)))}
         wanted = sorted(  # each missing content once (a repeated bucket is fetched once)
             i for digest, i in firsts.items() if digest not in local and digest not in self._partial
@@ -215,6 +226,8 @@ class Relay:
                         asked += 1
                     data = await self._receive(channel, head.version, index, bucket)
                     self._partial[bucket.digest] = data
+                    if self.resume_dir is not None:
+                        await anyio.to_thread.run_sync(self._save, bucket.digest, data)
                 else:
                     self.bytes_reused += bucket.used
                 await anyio.to_thread.run_sync(self.store.add_bucket, data, bucket.specs)
@@ -228,8 +241,43 @@ class Relay:
         for data in self._partial.values():
             self._spare.setdefault(data.numel(), []).append(data)
         self._partial.clear()
+        if self.resume_dir is not None:
+            for path in self.resume_dir.iterdir():
+                if _SAVED.fullmatch(path.name):
+                    path.unlink(missing_ok=True)
         self.published(head.version)
         return head.version
+
+    def _save(self, digest: bytes, data: torch.Tensor) -> None:
+        """Write a received bucket to the resume directory (atomically, mode 0600)."""
+        assert self.resume_dir is not None
+        final = self.resume_dir / digest.hex()
+        partial = final.with_suffix(".part")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data.numpy().data)
+        os.replace(partial, final)
+
+    def _load_saved(self, head: m.Head, local: dict[bytes, tuple[int, int]]) -> None:
+        """Read back the buckets of ``head`` an earlier process saved (checked by digest)."""
+        assert self.resume_dir is not None
+        for bucket in head.buckets:
+            digest = bucket.digest
+            if digest in local or digest in self._partial:
+                continue
+            path = self.resume_dir / digest.hex()
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            with os.fdopen(fd, "rb") as saved:
+                if os.fstat(saved.fileno()).st_size != bucket.used:
+                    continue
+                data = torch.empty(bucket.used, dtype=torch.uint8)
+                if saved.readinto(data.numpy().data) != bucket.used:
+                    continue
+            if bucket_digest(data) == digest:
+                self._partial[digest] = data
 
     def _local_index(self) -> dict[bytes, tuple[int, int]]:
         """Digest -> (version, bucket) of every retained bucket with a known digest."""
@@ -299,6 +347,18 @@ def _bounded(seconds: float, what: str, peer: str) -> Iterator[None]:
         yield
     if scope.cancelled_caught:
         raise SyncTimeoutError(f"no {what} within {seconds:g}s", peer=peer)
+
+
+_SAVED = re.compile(r"[0-9a-f]{64}(\.part)?")
+
+
+def _private_dir(path: Path) -> Path:
+    """``path`` made (mode 0700) or checked: a directory of this user that others cannot write."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.stat(path, follow_symlinks=False)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise AiosyncError(f"resume directory {path} must be a directory of this user, 0700")
+    return path
 
 
 def _check_specs(specs: list[TensorSpec], used: int) -> None:

@@ -181,6 +181,7 @@ class WeightServer:
                     self._published,
                     auth=self.config.upstream_auth,
                     timeout=self.config.timeout,
+                    resume_dir=self.config.resume_dir,
                 )
                 self.relay = relay
                 self._tasks.start_soon(relay.run)
