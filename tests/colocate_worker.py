@@ -238,7 +238,12 @@ def main() -> None:
         if cmd.get("op") == "exit":
             break
         try:
-            result = scenario(cmd)
+            if cmd.get("op") == "pipeline":  # the native pipeline (tests/colocate_pipeline.py)
+                from tests.colocate_pipeline import pipeline_scenario
+
+                result = pipeline_scenario(cmd, STATE)
+            else:
+                result = scenario(cmd)
         except Exception as exc:  # the test reads what went wrong
             result = {"rank": rank, "fatal": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(result), flush=True)

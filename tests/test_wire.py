@@ -40,6 +40,7 @@ from aiosync.core.wire import (
     CudaIpcHandle,
     CudaIpcPlaneSpec,
     CudaLegacyPlaneSpec,
+    GatheredPlaneSpec,
     Goodbye,
     Hello,
     Ping,
@@ -98,6 +99,15 @@ SAMPLES: list[Any] = [
     Hello(2, 2, "s", "t", CudaLegacyPlaneSpec(1, 4096, [b"h" * 64, b"i" * 64], [b"e" * 64] * 2)),
     Hello(
         2, 2, "s", "t", CollectivePlaneSpec("gloo", "127.0.0.1", 1234, "ab" * 16, "g", 3, 2, 4096)
+    ),
+    Hello(
+        2,
+        2,
+        "s",
+        "t",
+        GatheredPlaneSpec(
+            [ShmPlaneSpec([ShmHandle("a", 1024)]), CudaLegacyPlaneSpec(0, 2048, [b"h" * 64])]
+        ),
     ),
     Ready("session-1", PROTOCOL_MAX, None),
     Ready("session-1", 2, 0),
@@ -171,6 +181,7 @@ def test_every_message_type_is_sampled() -> None:
     }
     planes = {type(m.plane) for m in SAMPLES if isinstance(m, Hello)}
     kinds = {ShmPlaneSpec, CudaIpcPlaneSpec, CudaLegacyPlaneSpec, CollectivePlaneSpec}
+    kinds.add(GatheredPlaneSpec)
     assert planes == set(typing.get_args(wire.PlaneSpec)) == kinds
     handles = {
         type(h)

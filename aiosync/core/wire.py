@@ -119,7 +119,28 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
         return [self.capacity] * self.count
 
 
-PlaneSpec = ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec | CollectivePlaneSpec
+class GatheredPlaneSpec(msgspec.Struct, frozen=True, tag="gathered"):
+    """Several producers' rings of buffers that one engine opens (a colocated topology).
+
+    ``parts[i]`` is trainer rank ``i``'s own plane (the ``i``-th rank of the engine's
+    range); every part has the same number of buffers. A bucket lies wholly in one part's
+    buffer: the part named by its tensors' ``"<i>/"`` prefix (see
+    :mod:`aiosync.planes.gathered`). ``sizes`` are the smallest of the parts' buffers.
+    """
+
+    parts: list[ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each buffer, in the order buckets name them (the smallest part's)."""
+        if not self.parts:
+            return []
+        return [min(sizes) for sizes in zip(*(part.sizes for part in self.parts), strict=False)]
+
+
+PlaneSpec = (
+    ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec | CollectivePlaneSpec | GatheredPlaneSpec
+)
 """How an engine reaches the bytes of buckets; new planes add a tagged member here."""
 
 

@@ -18,6 +18,7 @@ from aiosync.core.wire import (
     CollectivePlaneSpec,
     CudaIpcPlaneSpec,
     CudaLegacyPlaneSpec,
+    GatheredPlaneSpec,
     PlaneSpec,
     ShmPlaneSpec,
 )
@@ -112,6 +113,10 @@ def open_receiver_plane(
         from aiosync.planes.collective_receiver import CollectiveReceiverPlane
 
         return CollectiveReceiverPlane(spec, device, limits)
+    if isinstance(spec, GatheredPlaneSpec):
+        from aiosync.planes.gathered import GatheredReceiverPlane
+
+        return GatheredReceiverPlane(spec, device, limits)
     raise ValueError(f"unknown data plane {type(spec).__name__}")
 
 

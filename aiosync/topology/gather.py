@@ -79,3 +79,18 @@ def agree_on_failures(failed: list[bool], *, group: Any) -> list[bool]:
         ranks = dist.get_process_group_ranks(group)
         raise collective_error(exc, "agreeing on the bucket's outcome", ranks) from exc
     return [bool(v) for v in flags.tolist()]
+
+
+def broadcast_ints(values: list[int], *, group: Any, src: int) -> list[int]:
+    """Broadcast a few ``int64`` from global rank ``src`` over ``group``; the values on every rank.
+
+    The source's command to its engine's ranks on the native pipeline (every member passes a
+    list of the same length; the others' values are overwritten).
+    """
+    tensor = torch.tensor(values, dtype=torch.int64)
+    try:
+        dist.broadcast(tensor, src=src, group=group)
+    except RuntimeError as exc:
+        ranks = dist.get_process_group_ranks(group)
+        raise collective_error(exc, f"waiting for rank {src}'s command", ranks) from exc
+    return [int(v) for v in tensor.tolist()]
