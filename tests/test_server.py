@@ -155,7 +155,7 @@ async def test_byte_bound_holds_and_a_too_large_version_is_refused() -> None:
     ):
         for version in range(4):
             await sender.send(model(version), version=version)
-            assert server.store.used_bytes <= config.retention.max_bytes  # type: ignore[operator]
+            assert server.store.held_bytes <= config.retention.max_bytes  # type: ignore[operator]
         assert server.store.versions == [2, 3]
         huge = {"x": torch.zeros(one)}
         with pytest.raises(RejectedError, match="cannot be retained"):

@@ -143,7 +143,7 @@ class WeightServer:
         self._changed.set()
         self._changed = anyio.Event()
         if self.metrics is not None:
-            self.metrics.update(self.fleet, self.store.used_bytes)
+            self.metrics.update(self.fleet, self.store.held_bytes)
 
     # --- lifecycle --------------------------------------------------------------------
 

@@ -124,9 +124,15 @@ class RetentionStore:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of shared memory held now (retained and pending)."""
+        """Bytes of retained and pending versions."""
         with self._changed:
             return self.book.used_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of shared memory held now: retained, pending, and kept for reuse."""
+        with self._changed:
+            return self.book.used_bytes + self._pool_bytes
 
     def _evict(self, versions: tuple[int, ...]) -> None:
         for version in versions:
