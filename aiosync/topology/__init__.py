@@ -6,7 +6,10 @@
 - :mod:`~aiosync.topology.parts` (pure) and :mod:`~aiosync.topology.gather`: a rank's bucket
   description as msgpack bytes, gathered in ``uint8`` tensors (never pickled);
 - :mod:`~aiosync.topology.send`: the trainer ranks' sync;
-- :mod:`~aiosync.topology.engine`: the engine's side, one sink per GPU.
+- :mod:`~aiosync.topology.engine`: the engine's side, one sink per GPU;
+- :mod:`~aiosync.topology.pipeline`, :mod:`~aiosync.topology.plans` (pure) and
+  :mod:`~aiosync.topology.sink`: the same on the native pipeline (a ``WeightReceiver`` over
+  a :class:`RankedSink` is the engine).
 """
 
 from aiosync.topology.connect import connect_topology, disconnect_topology
@@ -18,14 +21,19 @@ from aiosync.topology.layout import (
     derive_engine_gpu_offsets,
     plan_layout,
 )
+from aiosync.topology.pipeline import ColocatedSession, TopologyReport
 from aiosync.topology.send import ColocatedReport, send_colocated
+from aiosync.topology.sink import RankedSink
 
 __all__ = [
     "ColocatedReceiver",
     "ColocatedReport",
+    "ColocatedSession",
     "EngineRange",
     "Layout",
     "LayoutError",
+    "RankedSink",
+    "TopologyReport",
     "connect_topology",
     "derive_engine_gpu_offsets",
     "disconnect_topology",
