@@ -84,6 +84,8 @@ def pipeline_scenario(cmd: dict[str, Any], state: dict[str, Any]) -> dict[str, A
                 tensors = shard(number, pos)
                 if cmd.get("extra") == rank:  # a tensor the engine does not have
                     tensors["extra.w"] = torch.ones(2)
+                if cmd.get("unplannable") == rank and number == 1:  # not a tensor: cannot plan
+                    tensors["layers.0.w"] = "not a tensor"  # type: ignore[assignment]
                 began = time.monotonic()
                 try:
                     report = await session.send(tensors.items(), weight_version=version)

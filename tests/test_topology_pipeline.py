@@ -148,3 +148,19 @@ def test_one_engine_failing_under_each_policy(world: World, policy: str) -> None
     assert by_engine[1]["exact_last"]  # its staged sinks kept "version 0"
     if policy == "all":
         assert "out of memory on purpose" in by_engine[1]["reports"][0]["error"]
+
+
+def test_a_rank_that_cannot_plan_fails_the_version_everywhere_then_the_next_goes(
+    world: World,
+) -> None:
+    answers = world.run(op="pipeline", counts=[1, 3], versions=[None, None], unplannable=3)
+    for answer in answers:
+        first, second = answer["reports"]
+        assert "engines [1] failed the version" in first.get("error", ""), answer
+        if answer["rank"] == 1:  # engine 1's source has the rank's own text
+            assert "trainer rank 3 cannot plan its tensors" in first["error"]
+        assert second.get("error") is None
+        assert second["committed"] == [0, 1]
+    for answer in sources(answers).values():
+        assert answer["engine_version"] == 0  # none held: None starts the engine at 0
+        assert answer["exact_last"]
