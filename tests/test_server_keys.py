@@ -3,6 +3,7 @@ server's own connections to subscribers; strangers are refused; per-subscriber b
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
@@ -80,3 +81,25 @@ async def test_per_subscriber_bounds() -> None:
                 )
             with anyio.fail_after(WAIT):
                 assert (await one.client.status()).engines[0].name == "one"
+            async with AsyncExitStack() as clients:  # 4 control channels per subscriber
+                for _ in range(3):
+                    client = await clients.enter_async_context(
+                        ServerClient(server.control_endpoint)
+                    )
+                    await client.status()
+                extra = await clients.enter_async_context(ServerClient(server.control_endpoint))
+                with pytest.raises(AiosyncError, match="too many control channels"):
+                    await extra.status()
+            assert (await one.client.status()).engines[0].name == "one"  # unharmed
+
+
+async def test_a_quiet_client_is_forgotten_and_its_next_request_served() -> None:
+    async with (
+        WeightServer(ServerConfig(timeout=0.2)) as server,
+        ServerClient(server.control_endpoint) as client,
+    ):
+        await client.status()
+        with anyio.fail_after(WAIT):  # a ROUTER never hears a client leave: idle expiry
+            while server._controls:
+                await anyio.sleep(0.02)
+        assert (await client.status()).engines == []  # a new channel, transparently

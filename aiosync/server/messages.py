@@ -24,6 +24,8 @@ message        direction   meaning
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from aiosync.core.errors import ProtocolError
@@ -157,6 +159,17 @@ MAX_RELAY_REPLY = 256 << 20
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
 _replies = msgspec.msgpack.Decoder(Reply)
+
+
+def health(status: Status) -> tuple[bool, dict[str, Any]]:
+    """(ready, JSON-able detail) of a server's status: ready once a version is retained."""
+    detail = {
+        "ready": status.newest is not None,
+        "newest": status.newest,
+        "retained": status.retained,
+        "engines": {e.name: {"version": e.version, "lag": e.lag} for e in status.engines},
+    }
+    return status.newest is not None, detail
 
 
 def bounded_wait(seconds: float, most: float) -> float:

@@ -12,6 +12,7 @@ publisher beyond the retention bound and a late joiner is served at once.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from contextlib import AsyncExitStack, suppress
@@ -36,6 +37,7 @@ from aiosync.server.store import RetainingSink, RetentionStore
 log = logging.getLogger(__name__)
 
 REPLY_TIMEOUT = 10.0
+CONTROLS_PER_SUBSCRIBER = 4  # control channels open at once, per subscriber allowed
 
 
 class WeightServer:
@@ -104,15 +106,8 @@ class WeightServer:
         return m.Status(self.store.newest, self.store.versions, engines)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """(ready, detail) for a health check."""
-        status = self.status()
-        detail = {
-            "ready": status.newest is not None,
-            "newest": status.newest,
-            "retained": status.retained,
-            "engines": {e.name: {"version": e.version, "lag": e.lag} for e in status.engines},
-        }
-        return status.newest is not None, detail
+        """(ready, detail) for a health check: ready once a version is retained."""
+        return m.health(self.status())
 
     async def wait_within_bounds(self, timeout: float) -> m.Status:
         """Wait until every subscriber lags no more than its bound."""
@@ -189,11 +184,7 @@ class WeightServer:
             await stack.aclose()
             raise
         self._stack = stack
-        log.info(
-            "serving weights: publish at %s, subscribe at %s",
-            self.publish_endpoint,
-            self.control_endpoint,
-        )
+        log.info("publish at %s, subscribe at %s", self.publish_endpoint, self.control_endpoint)
         return self
 
     async def __aexit__(
@@ -210,11 +201,8 @@ class WeightServer:
     async def _shut_down(self) -> None:
         """Tell subscribers, then stop every task (transfers in flight are aborted)."""
         with anyio.CancelScope(shield=True):
-            closing = m.encode(m.Closing("server shutting down"))
             for channel in list(self._controls.values()):
-                with anyio.move_on_after(REPLY_TIMEOUT):
-                    with suppress(AiosyncError):
-                        await channel.send(closing)
+                await self._reply(channel, m.Closing("server shutting down"))
         if self._tasks is not None:
             self._tasks.cancel_scope.cancel()
 
@@ -249,12 +237,22 @@ class WeightServer:
 
     async def _control(self, channel: Channel) -> None:
         """Serve one client's requests in order; a malformed one ends its channel."""
+        if len(self._controls) >= CONTROLS_PER_SUBSCRIBER * self.config.max_subscribers:
+            await self._reply(channel, m.Refused("too many control channels"))
+            return await channel.aclose()
         self._controls[channel.peer] = channel
         subscriber: SubscriberState | None = None
         try:
             while True:
+                # a client that went quiet is forgotten (a ROUTER never hears it leave); its
+                # next request opens a new channel. A subscriber's ends with its receiver.
+                payload = None
+                with anyio.move_on_after(math.inf if subscriber else self.config.timeout):
+                    payload = await channel.recv()
+                if payload is None:
+                    return
                 try:
-                    request = m.decode_request(await channel.recv())
+                    request = m.decode_request(payload)
                 except ProtocolError as exc:
                     log.warning("control peer %s sent garbage: %s", channel.peer, exc)
                     await self._reply(channel, m.Refused(str(exc)))
@@ -264,6 +262,8 @@ class WeightServer:
                         await self._reply(channel, m.Refused("this channel already subscribed"))
                         continue
                     subscriber = await self._subscribe(channel, request)
+                    if subscriber is None:  # refused: nothing more to say on this channel
+                        return
                     continue
                 if isinstance(request, m.Pull):
                     reply: m.Reply | None = await self.relays.pull(
