@@ -8,6 +8,7 @@ in-process channel, reading the other ranks' sealed memfds.
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -24,6 +25,8 @@ from aiosync.topology import connect_topology
 from aiosync.topology.pipeline import ColocatedSession
 from aiosync.topology.sink import RankedSink
 
+RELEASE = threading.Event()  # frees an engine told to hang, once the versions are sent
+
 
 def shard(number: int, pos: int) -> dict[str, torch.Tensor]:
     """Rank ``pos``'s shard of model ``number``: mixed dtypes, different on every rank."""
@@ -39,13 +42,16 @@ def shard(number: int, pos: int) -> dict[str, torch.Tensor]:
 class CountingSink(ModuleSink):
     """A staged module sink that counts buckets and may refuse one (a broken engine)."""
 
-    def __init__(self, targets: dict[str, torch.Tensor], fail_at: int | None) -> None:
+    def __init__(self, targets: dict[str, torch.Tensor], fail_at: int | None, hang: bool) -> None:
         super().__init__(targets, staged=True)
         self.applied = 0
         self.fail_at = fail_at
+        self.hang = hang
 
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         if self.applied == self.fail_at:
+            if self.hang:  # a silent engine, freed once the trainer ranks gave up on it
+                RELEASE.wait(60)
             raise RuntimeError("out of memory on purpose")
         self.applied += 1
         super().apply_bucket(bucket, specs)
@@ -69,13 +75,18 @@ def pipeline_scenario(cmd: dict[str, Any], state: dict[str, Any]) -> dict[str, A
                 for p in range(mine.count):
                     fail_at = fail.get("at") if fail.get("engine") == mine.index else None
                     targets = {k: v.clone() for k, v in shard(0, p).items()}  # "version 0"
-                    sinks.append(CountingSink(targets, fail_at if p == fail.get("pos") else None))
+                    at = fail_at if p == fail.get("pos") else None
+                    sinks.append(CountingSink(targets, at, bool(fail.get("hang"))))
                 listener = InprocListener(f"engine-{mine.index}")
                 receiver = WeightReceiver(RankedSink(sinks), listener)
                 await stack.enter_async_context(receiver)
                 engines[mine.index] = listener.connect()
             session = ColocatedSession(
-                state, engines, buffer_bytes=1024, policy=cmd.get("policy", "all")
+                state,
+                engines,
+                buffer_bytes=1024,
+                policy=cmd.get("policy", "all"),
+                link_timeout=cmd.get("link_timeout"),
             )
             await stack.enter_async_context(session)
             reports: list[Any] = []
@@ -102,6 +113,7 @@ def pipeline_scenario(cmd: dict[str, Any], state: dict[str, Any]) -> dict[str, A
                     )
                 reports[-1]["seconds"] = time.monotonic() - began
             out["reports"] = reports
+            RELEASE.set()
             if receiver is not None and mine is not None:
                 out["engine_version"] = receiver.current_version
                 out["applied"] = [s.applied for s in sinks]
@@ -111,5 +123,8 @@ def pipeline_scenario(cmd: dict[str, Any], state: dict[str, Any]) -> dict[str, A
                 )
                 out["good"] = good
 
-    run(main)
+    try:
+        run(main)
+    finally:
+        RELEASE.clear()
     return out

@@ -164,3 +164,18 @@ def test_a_rank_that_cannot_plan_fails_the_version_everywhere_then_the_next_goes
     for answer in sources(answers).values():
         assert answer["engine_version"] == 0  # none held: None starts the engine at 0
         assert answer["exact_last"]
+
+
+def test_a_silent_engine_is_given_up_within_the_link_deadline(world: World) -> None:
+    fail = {"engine": 0, "pos": 1, "at": 0, "hang": True}
+    answers = world.run(
+        op="pipeline", counts=[2, 2], versions=[4], fail=fail, policy="available", link_timeout=2
+    )
+    for answer in answers:
+        (report,) = answer["reports"]
+        assert report.get("committed") == [1], answer
+        assert report["failed"] == [0]
+        assert report["seconds"] < GROUP_TIMEOUT / 2  # released by the link's deadline
+    by_engine = sources(answers)
+    assert by_engine[1]["engine_version"] == 4
+    assert by_engine[0]["engine_version"] is None

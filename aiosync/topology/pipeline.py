@@ -18,9 +18,8 @@ whose plane is all of them (:class:`~aiosync.core.wire.GatheredPlaneSpec`). Per 
    prepared, under ``available`` each prepared engine commits;
 4. a last all-reduce tells every covered rank which engines committed.
 
-A source whose stream fails before its vote still joins it (marked failed), so no rank is
-left in a collective; every collective is bounded by the groups' timeout, and the engine
-link by :data:`LINK_SHARE` of it.
+A source failing before its vote still joins it (marked failed): no rank is left in a
+collective. Collectives have the groups' timeout, the engine link :data:`LINK_SHARE` of it.
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ from aiosync.topology.plans import plan_rank, union_plans
 log = logging.getLogger(__name__)
 
 LINK_SHARE = 0.4
-"""Share of the groups' timeout each wait on the engine may take (a rank waits for the next
-command across at most two of them)."""
+"""Share of the groups' timeout a wait on the engine takes (a rank's wait spans two at most)."""
 
 PACK, END = 1, 2
 PartSpec = ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec
@@ -117,8 +115,9 @@ class ColocatedSession:
 
     ``worker_state`` is what :func:`~aiosync.topology.connect_topology` filled;
     ``engines[i]`` is engine ``i``'s endpoint or channel (read on its source rank only).
-    Each rank keeps ``num_buffers`` buffers of ``buffer_bytes`` on ``device``. Use as
-    ``async with`` on every rank; placeholder ranks do nothing.
+    Each rank keeps ``num_buffers`` buffers of ``buffer_bytes`` on ``device``. Each wait on
+    the engine gets ``link_timeout`` seconds, at most (and by default) :data:`LINK_SHARE` of
+    the groups' timeout. Use as ``async with`` on every rank; placeholder ranks do nothing.
     """
 
     def __init__(
@@ -130,6 +129,7 @@ class ColocatedSession:
         buffer_bytes: int = 64 << 20,
         num_buffers: int = 2,
         policy: Policy | str = Policy.ALL,
+        link_timeout: float | None = None,
     ) -> None:
         self.layout = worker_state["_ipc_layout"]
         self.index: int | None = worker_state["_ipc_engine_index"]
@@ -137,7 +137,8 @@ class ColocatedSession:
         self.sync = worker_state["_ipc_sync_group"]
         src = worker_state["_ipc_gather_src"]
         self.src: int = -1 if src is None else src  # -1: a placeholder rank
-        self.timeout: float = worker_state["_ipc_timeout"]
+        most = LINK_SHARE * worker_state["_ipc_timeout"]
+        self.link_timeout: float = most if link_timeout is None else min(link_timeout, most)
         self.rank = dist.get_rank()
         self.engines = list(engines)
         self.device = torch.device(device)
@@ -149,8 +150,8 @@ class ColocatedSession:
         self._gathered: GatheredSenderPlane | None = None
         self.link: EngineLink | None = None
         self._owned: Channel | None = None
-        self._local: list[BucketPlan | None] = []
-        self._where: dict[int, tuple[int, int]] = {}
+        self._local: list[BucketPlan | None] = []  # my buckets, until packed
+        self._where: dict[int, tuple[int, int]] = {}  # a pipeline bucket's (rank, bucket)
         self._ended = self._voted = False
         self._unprepared: list[int] = []  # engines that did not prepare the last version
 
@@ -218,7 +219,7 @@ class ColocatedSession:
         else:
             channel = target
         session = LinkSession(channel.peer, uuid.uuid4().hex)
-        link = EngineLink(channel, session, LINK_SHARE * self.timeout)
+        link = EngineLink(channel, session, self.link_timeout)
         await link.handshake(session.hello(f"colocated-rank-{self.rank}", spec))
         self.link = link
 
