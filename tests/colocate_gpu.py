@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from aiosync.bench.model import LLAMA3_8B, llama_layout
+
 GUARD = 170.0  # seconds for the whole run: it must finish unattended in under 3 minutes
 
 
@@ -35,25 +37,8 @@ TINY = os.environ.get("AIOSYNC_COLOCATE_TINY") == "1"
 
 
 def llama3_8b_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    """Llama-3-8B's tensors (hidden 4096, 32 layers, 8 KV heads, MLP 14336, vocab 128256)."""
-    hidden, kv, inter, vocab, layers = 4096, 1024, 14336, 128256, 32
-    if TINY:
-        hidden, kv, inter, vocab, layers = 64, 16, 224, 500, 2
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-        ]
-    return [*shapes, ("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    """Llama-3-8B's tensors, or a tiny model of the same layout under TINY."""
+    return llama_layout(*((64, 16, 224, 500, 2) if TINY else LLAMA3_8B))
 
 
 def zeros(device: torch.device) -> dict[str, torch.Tensor]:

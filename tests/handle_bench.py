@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from aiosync import ModuleSink
+from aiosync.bench.model import LLAMA3_8B, llama_layout
 from aiosync.collectives import Deadline
 from aiosync.compat import distributed
 from aiosync.compat.distributed import (
@@ -34,23 +35,7 @@ GIB = 1 << 30
 
 
 def llama8b_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    h, inter, vocab, kv = 4096, 14336, 128256, 1024
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
-    for i in range(32):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (h, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, h)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
-    return shapes
+    return llama_layout(*LLAMA3_8B)
 
 
 def emit(**fields: object) -> None:

@@ -36,6 +36,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from aiosync.bench.model import LLAMA3_8B, llama_layout
 from aiosync.collectives import host_store, init_process_group, new_token, token_store
 from aiosync.collectives.rendezvous import connect_store
 
@@ -51,22 +52,7 @@ SAFE_ENV = {  # NVLink multicast stays off (shared hosts)
 
 def llama3_8b_shapes() -> list[tuple[str, tuple[int, ...]]]:
     """Llama-3-8B's 291 parameter names and shapes (vocab 128256, 32 layers, GQA 8 heads)."""
-    hidden, kv, inter, vocab = 4096, 1024, 14336, 128256
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(32):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-        ]
-    return [*shapes, ("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return llama_layout(*LLAMA3_8B)
 
 
 def make_model(scale: float, fill: bool, device: str) -> dict[str, torch.Tensor]:

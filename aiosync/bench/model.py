@@ -66,7 +66,21 @@ def llama_shapes(
     if total_bytes <= 0:
         raise ValueError(f"total_bytes must be positive, got {total_bytes}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    hidden, kv_dim, inter, vocab, layers = _llama_config(max(1, total_bytes // itemsize))
+    return llama_layout(*_llama_config(max(1, total_bytes // itemsize)))
+
+
+LLAMA3_8B = (4096, 1024, 14336, 128256, 32)
+"""Llama-3-8B's ``(hidden, kv_dim, inter, vocab, layers)``: 291 tensors, 16.06 GB in bf16."""
+
+
+def llama_layout(
+    hidden: int, kv_dim: int, inter: int, vocab: int, layers: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Names (Hugging Face Llama naming) and shapes of a Llama of exactly these dimensions.
+
+    An embedding, per layer q/k/v/o projections (k/v ``kv_dim`` wide), gate/up/down MLP
+    projections and two RMSNorm weights, a final norm and an untied ``lm_head``.
+    """
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
