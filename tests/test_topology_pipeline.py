@@ -15,9 +15,10 @@ import torch
 
 from aiosync.core.errors import MismatchError, ProtocolError
 from aiosync.core.layout import TensorSpec
+from aiosync.core.limits import Limits
 from aiosync.core.wire import GatheredPlaneSpec, Hello, ShmHandle, ShmPlaneSpec, decode, encode
 from aiosync.engine.sinks import ModuleSink
-from aiosync.planes.gathered import part_of, split_name
+from aiosync.planes.gathered import GatheredReceiverPlane, part_of, split_name
 from aiosync.topology.plans import plan_rank, union_plans
 from aiosync.topology.sink import RankedSink
 from tests.test_topology_gloo import WORLD, World
@@ -52,6 +53,18 @@ def test_gathered_spec_round_trips_in_a_hello_and_sizes_are_the_smallest() -> No
     hello = decode(encode(Hello(2, 2, "s", "t", spec)))
     assert isinstance(hello, Hello)
     assert hello.plane == spec
+
+
+def test_a_gathered_plane_is_bounded_as_a_whole() -> None:
+    part = ShmPlaneSpec([ShmHandle("a", 1024)])
+    with pytest.raises(ProtocolError, match="3072 bytes"):
+        GatheredReceiverPlane(
+            GatheredPlaneSpec([part] * 3), torch.device("cpu"), Limits(max_session_bytes=2048)
+        )
+    with pytest.raises(ProtocolError, match="buffer count"):
+        GatheredReceiverPlane(GatheredPlaneSpec([part, ShmPlaneSpec([])]), torch.device("cpu"))
+    with pytest.raises(ProtocolError, match="0 parts"):
+        GatheredReceiverPlane(GatheredPlaneSpec([]), torch.device("cpu"))
 
 
 def test_names_say_the_part_and_a_bucket_is_one_part() -> None:

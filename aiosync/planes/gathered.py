@@ -69,6 +69,11 @@ class GatheredReceiverPlane:
         counts = {len(part.sizes) for part in spec.parts}
         if len(counts) != 1:
             raise ProtocolError("the parts of a gathered plane differ in their buffer count")
+        total = sum(sum(part.sizes) for part in spec.parts)
+        if limits is not None and total > limits.max_session_bytes:  # each part is bound too
+            raise ProtocolError(
+                f"a gathered plane of {total} bytes (most {limits.max_session_bytes})"
+            )
         self._parts: list[ReceiverPlane] = []
         self._current: dict[int, int] = {}
         try:
