@@ -10,15 +10,28 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
+import aiosync.engine.receiver
+import aiosync.planes
+from aiosync.core.engine_actions import OpenPlane
 from aiosync.core.errors import MismatchError, ProtocolError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
-from aiosync.core.wire import GatheredPlaneSpec, Hello, ShmHandle, ShmPlaneSpec, decode, encode
+from aiosync.core.wire import (
+    GatheredPlaneSpec,
+    Hello,
+    PlaneSpec,
+    ShmHandle,
+    ShmPlaneSpec,
+    decode,
+    encode,
+)
+from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import ModuleSink
-from aiosync.planes.gathered import GatheredReceiverPlane, part_of, split_name
+from aiosync.planes.gathered import GatheredReceiverPlane, part_devices, part_of, split_name
 from aiosync.topology.plans import plan_rank, union_plans
 from aiosync.topology.sink import RankedSink
 from tests.test_topology_gloo import WORLD, World
@@ -110,6 +123,87 @@ def test_ranked_sink_names_each_rank_and_routes_buckets() -> None:
     sink.commit(1)
     assert torch.equal(t1["w"], torch.tensor([5.0, 6.0]))
     assert not t0["w"].any()
+
+
+class OnDevice:
+    """A sink that only says it lives on ``device`` (no GPU needed to name one)."""
+
+    staged = True
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+    def expectations(self) -> None:
+        return None
+
+    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        raise AssertionError("nothing is applied in these tests")
+
+    def commit(self, version: int) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class FakePart:
+    """A part's plane that records nothing but its closing."""
+
+    closed = False
+
+    def view(self, index: int, used: int) -> torch.Tensor:
+        return torch.zeros(used, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_each_part_opens_on_the_device_of_its_ranks_sink(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink = RankedSink([OnDevice("cuda:1"), OnDevice("cuda:0"), OnDevice("cpu")])
+    assert sink.device == torch.device("cuda:1")
+    parts = [ShmPlaneSpec([ShmHandle(name, 1024)]) for name in "abc"]
+    opened: list[tuple[PlaneSpec, torch.device]] = []
+
+    def recording(part: PlaneSpec, device: torch.device, limits: Limits | None) -> FakePart:
+        opened.append((part, device))
+        return FakePart()
+
+    open_plane = aiosync.planes.open_receiver_plane  # the receiver's entry, as it calls it
+    monkeypatch.setattr(aiosync.planes, "open_receiver_plane", recording)  # each part's
+    plane = open_plane(GatheredPlaneSpec(parts), sink.device, None, sink.part_devices)
+    devices = [torch.device(d) for d in ("cuda:1", "cuda:0", "cpu")]
+    assert opened == list(zip(parts, devices, strict=True))
+    plane.close()
+    opened.clear()  # without the sink's devices (any other sink): every part on ``device``
+    GatheredReceiverPlane(GatheredPlaneSpec(parts), torch.device("cpu"), open_part=recording)
+    assert [device for _, device in opened] == [torch.device("cpu")] * 3
+    with pytest.raises(ProtocolError, match="3 parts for an engine of 2"):
+        part_devices(3, torch.device("cpu"), [torch.device("cpu")] * 2)
+
+
+def test_the_receiver_hands_the_plane_opener_its_sinks_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiosync.channels.inproc import InprocListener
+
+    calls: list[tuple[torch.device, Any]] = []
+
+    def refusing(spec: PlaneSpec, device: torch.device, limits: Any, devices: Any) -> Any:
+        calls.append((device, devices))
+        raise OSError("not opened in this test")
+
+    monkeypatch.setattr(aiosync.engine.receiver, "open_receiver_plane", refusing)
+    spec = GatheredPlaneSpec([ShmPlaneSpec([ShmHandle("a", 1024)])] * 2)
+
+    async def main() -> None:
+        sink = RankedSink([OnDevice("cuda:0"), OnDevice("cuda:1")])
+        async with WeightReceiver(sink, InprocListener("devices")) as receiver:
+            await receiver._do(OpenPlane("peer", spec))
+
+    anyio.run(main)
+    assert calls == [(torch.device("cuda:0"), [torch.device("cuda:0"), torch.device("cuda:1")])]
 
 
 # --- four trainer processes ---------------------------------------------------------------

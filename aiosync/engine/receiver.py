@@ -338,8 +338,9 @@ class WeightReceiver:
         machine = self._session
         if isinstance(action, OpenPlane):
             try:
+                devices = getattr(self.sink, "part_devices", None)  # a RankedSink's
                 plane = await anyio.to_thread.run_sync(
-                    open_receiver_plane, action.plane, self.sink.device, self.config.limits
+                    open_receiver_plane, action.plane, self.sink.device, self.config.limits, devices
                 )
             except Exception as exc:
                 log.warning("refused session from %s: %s", action.peer, exc)

@@ -6,7 +6,7 @@ never touches CUDA or shared memory never loads their modules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -87,11 +87,16 @@ def create_sender_plane(
 
 
 def open_receiver_plane(
-    spec: PlaneSpec, device: torch.device, limits: Limits | None = None
+    spec: PlaneSpec,
+    device: torch.device,
+    limits: Limits | None = None,
+    part_devices: Sequence[torch.device] | None = None,
 ) -> ReceiverPlane:
     """Open a peer's plane described by ``spec``; CUDA buffers open on ``device`` if CUDA.
 
     ``limits`` (the engine's) bound the buffers and bytes the plane may name.
+    ``part_devices`` (a sink's, :attr:`aiosync.topology.RankedSink.part_devices`): where
+    each part of a gathered plane opens instead.
     """
     if isinstance(spec, ShmPlaneSpec):
         from aiosync.planes.shm import ShmReceiverPlane
@@ -116,7 +121,7 @@ def open_receiver_plane(
     if isinstance(spec, GatheredPlaneSpec):
         from aiosync.planes.gathered import GatheredReceiverPlane
 
-        return GatheredReceiverPlane(spec, device, limits)
+        return GatheredReceiverPlane(spec, device, limits, part_devices)
     raise ValueError(f"unknown data plane {type(spec).__name__}")
 
 

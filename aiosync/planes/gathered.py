@@ -9,6 +9,13 @@ learns the part from the checked specs (its :meth:`~GatheredReceiverPlane.expect
 :func:`aiosync.planes.view_bucket` calls before :meth:`~GatheredReceiverPlane.view`), so the
 wire's ``Bucket`` stays as it is.
 
+Each part opens on its own engine device: the receiver passes the devices of the engine's
+sinks in rank order (:attr:`aiosync.topology.sink.RankedSink.part_devices`), and part ``i``
+opens on ``devices[i]`` (:func:`part_devices`), since rank ``i``'s CUDA buffers live on the
+GPU of the engine's sink ``i``. The plane orders no copies with CUDA events: it has no
+``events``, so a sink waits for its own device after each bucket (parts are the ranks'
+plain CUDA IPC planes, ``aiosync.planes.cuda_ipc``).
+
 The sender's :class:`GatheredSenderPlane` packs nothing itself: its ``pack`` calls the
 topology's function, which has the right rank pack its share into its own buffer
 ``index`` (:mod:`aiosync.topology.pipeline`).
@@ -16,14 +23,14 @@ topology's function, which has the right rank pack its share into its own buffer
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from aiosync.core.errors import MismatchError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.limits import Limits
-from aiosync.core.wire import GatheredPlaneSpec
+from aiosync.core.wire import GatheredPlaneSpec, PlaneSpec
 from aiosync.planes.base import ReceiverPlane
 
 MAX_PARTS = 1024
@@ -56,14 +63,41 @@ def part_of(specs: list[TensorSpec], parts: int) -> int:
     return part
 
 
+def part_devices(
+    parts: int, device: torch.device, devices: Sequence[torch.device] | None
+) -> list[torch.device]:
+    """The device each of ``parts`` parts opens on: ``devices[i]``, else ``device`` for all.
+
+    :class:`ProtocolError` when the engine has devices for another number of ranks.
+    """
+    if devices is None:
+        return [device] * parts
+    if len(devices) != parts:
+        raise ProtocolError(f"a gathered plane of {parts} parts for an engine of {len(devices)}")
+    return list(devices)
+
+
+OpenPart = Callable[[PlaneSpec, torch.device, Limits | None], ReceiverPlane]
+"""Opens one part's plane on a device (default :func:`aiosync.planes.open_receiver_plane`)."""
+
+
 class GatheredReceiverPlane:
-    """The engine's side: every part opened, each bucket viewed in the part its specs name."""
+    """The engine's side: every part opened, each bucket viewed in the part its specs name.
+
+    Part ``i`` opens on ``devices[i]`` when given (:func:`part_devices`), else on ``device``.
+    """
 
     def __init__(
-        self, spec: GatheredPlaneSpec, device: torch.device, limits: Limits | None = None
+        self,
+        spec: GatheredPlaneSpec,
+        device: torch.device,
+        limits: Limits | None = None,
+        devices: Sequence[torch.device] | None = None,
+        open_part: OpenPart | None = None,
     ) -> None:
         from aiosync.planes import open_receiver_plane
 
+        opener: OpenPart = open_receiver_plane if open_part is None else open_part
         if not 0 < len(spec.parts) <= MAX_PARTS:
             raise ProtocolError(f"a gathered plane of {len(spec.parts)} parts")
         counts = {len(part.sizes) for part in spec.parts}
@@ -74,11 +108,12 @@ class GatheredReceiverPlane:
             raise ProtocolError(
                 f"a gathered plane of {total} bytes (most {limits.max_session_bytes})"
             )
+        where = part_devices(len(spec.parts), device, devices)
         self._parts: list[ReceiverPlane] = []
         self._current: dict[int, int] = {}
         try:
-            for part in spec.parts:
-                self._parts.append(open_receiver_plane(part, device, limits))
+            for part, on in zip(spec.parts, where, strict=True):
+                self._parts.append(opener(part, on, limits))
         except BaseException:
             self.close()
             raise

@@ -7,11 +7,17 @@ sinks' expectations under those names and hands each bucket (which holds one ran
 tensors only) to the sink of that rank, names stripped. So an ordinary
 :class:`~aiosync.WeightReceiver` is a colocated engine's endpoint on the native pipeline,
 with its manifest check, two-phase commit and staging unchanged.
+
+On GPUs sink ``i`` lives on GPU ``i`` of the range, where trainer rank ``i``'s CUDA buffers
+are: :attr:`RankedSink.part_devices` tells the receiver to open part ``i`` of the gathered
+plane there, and every call on sink ``i`` runs with its device current
+(``torch.cuda.device``), so its copies and its wait for them are on that GPU's stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import msgspec
 import torch
@@ -21,6 +27,16 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations
 from aiosync.engine.sinks import WeightSink
 from aiosync.planes.gathered import part_name, part_of, split_name
+
+
+@contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """``device`` current in this thread while the block runs, if a CUDA device."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
 
 
 class RankedSink:
@@ -35,6 +51,11 @@ class RankedSink:
     def device(self) -> torch.device:
         """The first sink's device (each part's buffers open where its own handle says)."""
         return self.sinks[0].device
+
+    @property
+    def part_devices(self) -> list[torch.device]:
+        """Where part ``i`` of a gathered plane opens: sink ``i``'s device."""
+        return [sink.device for sink in self.sinks]
 
     @property
     def staged(self) -> bool:
@@ -64,20 +85,27 @@ class RankedSink:
         for sink in self.sinks:
             reserve = getattr(sink, "reserve", None)
             if reserve is not None:
-                reserve()
+                with on_device(sink.device):
+                    reserve()
 
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
-        """Hand the bucket to the sink of the rank its tensors name, names stripped."""
+        """Hand the bucket to the sink of the rank its tensors name, names stripped.
+
+        The sink's device is current meanwhile: its copies and its wait run on that GPU.
+        """
         sink = self.sinks[part_of(specs, len(self.sinks))]
         own = [msgspec.structs.replace(s, name=split_name(s.name)[1]) for s in specs]
-        sink.apply_bucket(bucket, own)
+        with on_device(sink.device):
+            sink.apply_bucket(bucket, own)
 
     def commit(self, version: int) -> None:
         """Commit every sink."""
         for sink in self.sinks:
-            sink.commit(version)
+            with on_device(sink.device):
+                sink.commit(version)
 
     def abort(self) -> None:
         """Abort every sink."""
         for sink in self.sinks:
-            sink.abort()
+            with on_device(sink.device):
+                sink.abort()
