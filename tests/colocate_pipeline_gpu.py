@@ -1,0 +1,245 @@
+"""Two trainer ranks and one engine spanning both GPUs, through the native pipeline.
+
+``python -m tests.colocate_pipeline_gpu [--versions N] [--tiny]`` starts one engine process
+(a :class:`~aiosync.WeightReceiver` over a :class:`~aiosync.topology.RankedSink` with a
+:class:`~aiosync.ModuleSink` on cuda:0 and one on cuda:1) and two trainer processes (a Gloo
+world of 2 over loopback, rank r on cuda:r) that send their own shard of a small Llama
+layout in bf16 through a :class:`~aiosync.topology.ColocatedSession`: rank r packs into CUDA
+IPC buffers on GPU r, which the engine opens on the device of its sink r and copies from
+there. After each commit the engine compares both GPUs' weights with the version's shards,
+bit for bit, and prints one JSON line; the driver prints a summary line and exits non-zero
+unless every version arrived bit-exact on both. ``--tiny``: the same on the CPU (memfds,
+smaller shapes), CI's check of this script. Every process is killed and reaped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+from aiosync.bench.model import llama_layout
+
+GUARD = 90.0  # seconds for the whole run (it takes well under 60 on two GPUs)
+GPU_DIMS = (256, 64, 512, 1000, 2)  # about 3.3 MB per rank in bf16
+TINY_DIMS = (64, 16, 96, 200, 2)
+
+
+def shapes(tiny: bool) -> list[tuple[str, tuple[int, ...]]]:
+    return llama_layout(*(TINY_DIMS if tiny else GPU_DIMS))
+
+
+def shard(version: int, rank: int, device: torch.device, tiny: bool) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shard of ``version`` (made on the CPU: the same bits anywhere)."""
+    gen = torch.Generator().manual_seed(1000 * version + rank)
+    return {
+        name: torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
+        for name, shape in shapes(tiny)
+    }
+
+
+def devices(tiny: bool) -> list[torch.device]:
+    return [torch.device("cpu" if tiny else f"cuda:{r}") for r in range(2)]
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def engine_main(tiny: bool) -> None:
+    import anyio
+    import anyio.to_thread
+
+    from aiosync.engine.receiver import WeightReceiver
+    from aiosync.engine.sinks import ModuleSink
+    from aiosync.runtime import run
+    from aiosync.topology.sink import RankedSink
+
+    models = [
+        {k: torch.zeros_like(v) for k, v in shard(0, r, d, tiny).items()}
+        for r, d in enumerate(devices(tiny))
+    ]
+
+    def check(version: int) -> None:
+        bad = [
+            f"{d} {name}"
+            for r, (d, model) in enumerate(zip(devices(tiny), models, strict=True))
+            for name, want in shard(version, r, d, tiny).items()
+            if not torch.equal(model[name].view(torch.int16), want.view(torch.int16))
+        ]
+        line = {"engine_version": version, "exact": not bad, "differ": bad[:3]}
+        print(json.dumps(line), flush=True)
+
+    sink = RankedSink([ModuleSink(m) for m in models])
+
+    async def serve() -> None:
+        async with WeightReceiver(sink, on_commit=check) as receiver:
+            print(json.dumps({"ready": receiver.endpoint}), flush=True)
+            await anyio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+
+    run(serve)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def trainer_main(rank: int, store: str, endpoint: str, versions: int, tiny: bool) -> None:
+    import torch.distributed as dist
+
+    from aiosync.runtime import run
+    from aiosync.topology import connect_topology
+    from aiosync.topology.pipeline import ColocatedSession
+
+    device = devices(tiny)[rank]
+    if not tiny:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    state: dict[str, Any] = {}
+    connect_topology(engine_gpu_counts=[2], worker_state=state, timeout=60)
+    buffer_bytes = (16 if tiny else 1024) << 10
+
+    async def main() -> None:
+        engines = [endpoint if rank == 0 else None]
+        async with ColocatedSession(
+            state, engines, device=device, buffer_bytes=buffer_bytes, link_timeout=20
+        ) as session:
+            for version in range(1, versions + 1):
+                mine = shard(version, rank, device, tiny)
+                began = time.perf_counter()
+                report = await session.send(mine.items(), weight_version=version)
+                line: dict[str, Any] = {
+                    "rank": rank,
+                    "version": report.version,
+                    "committed": list(report.committed),
+                    "ms": round((time.perf_counter() - began) * 1e3, 2),
+                }
+                if report.sync is not None:
+                    line.update(buckets=report.sync.buckets, bytes=report.sync.bytes)
+                print(json.dumps(line), flush=True)
+
+    run(main)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _lines(proc: subprocess.Popen[str], out: queue.Queue[dict[str, Any]], tag: str) -> None:
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        try:
+            out.put(json.loads(raw))
+        except json.JSONDecodeError:
+            print(f"[{tag}] {raw.rstrip()}", file=sys.stderr, flush=True)
+
+
+def drive(versions: int, tiny: bool) -> int:
+    from aiosync.runtime import child_env, stop_process
+
+    if not tiny and torch.cuda.device_count() < 2:
+        print(json.dumps({"skipped": "needs two CUDA devices"}), flush=True)
+        return 0
+    env = child_env()
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: Gloo's pairs over loopback
+    me = [sys.executable, "-m", "tests.colocate_pipeline_gpu", *(["--tiny"] if tiny else [])]
+    procs: list[subprocess.Popen[str]] = []
+    procs_dir: list[str] = []  # the Gloo file store's directory, removed at the end
+    deadline = time.monotonic() + GUARD
+    began = time.monotonic()
+    try:
+        engine = subprocess.Popen(
+            [*me, "--role", "engine"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=env,
+        )  # fmt: skip
+        procs.append(engine)
+        from_engine: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=_lines, args=(engine, from_engine, "engine"), daemon=True).start()
+        try:
+            ready = from_engine.get(timeout=60)
+        except queue.Empty:
+            ready = {}
+        if "ready" not in ready:
+            print(json.dumps({"error": "engine did not start", "got": ready}), flush=True)
+            return 1
+        scratch = tempfile.mkdtemp(prefix="aiosync-colocate-")
+        procs_dir.append(scratch)
+        store = os.path.join(scratch, "store")
+        results: queue.Queue[dict[str, Any]] = queue.Queue()
+        readers = []
+        for rank in range(2):
+            args = ["--role", "trainer", "--rank", str(rank), "--store", store]
+            args += ["--endpoint", ready["ready"], "--versions", str(versions)]
+            proc = subprocess.Popen([*me, *args], stdout=subprocess.PIPE, text=True, env=env)
+            procs.append(proc)
+            reader = threading.Thread(target=_lines, args=(proc, results, f"rank {rank}"))
+            reader.daemon = True
+            reader.start()
+            readers.append(reader)
+        codes = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs[1:]]
+        for reader in readers:
+            reader.join(timeout=10)
+        ranks = sorted(results.queue, key=lambda r: (r.get("version", 0), r.get("rank", 0)))
+        checks = []
+        while len(checks) < versions:  # the engine's check of the last commit may trail
+            try:
+                checks.append(from_engine.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+        for line in [*ranks, *checks]:
+            print(json.dumps(line), flush=True)
+        ok = (
+            codes == [0, 0]
+            and [c.get("engine_version") for c in checks] == list(range(1, versions + 1))
+            and all(c.get("exact") for c in checks)
+            and all(r.get("committed") == [0] for r in ranks)
+            and len(ranks) == 2 * versions
+        )
+        summary = {
+            "ok": ok,
+            "versions": versions,
+            "exit_codes": codes,
+            "seconds": round(time.monotonic() - began, 2),
+            "devices": [str(d) for d in devices(tiny)],
+        }
+        print(json.dumps({"summary": summary}), flush=True)
+        return 0 if ok else 1
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        for proc in procs:
+            stop_process(proc, grace=10)
+        for scratch in procs_dir:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--role", choices=["drive", "engine", "trainer"], default="drive")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--store", default="")
+    parser.add_argument("--endpoint", default="")
+    parser.add_argument("--versions", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="CPU only, shapes scaled down")
+    args = parser.parse_args()
+    if args.role == "engine":
+        engine_main(args.tiny)
+    elif args.role == "trainer":
+        trainer_main(args.rank, args.store, args.endpoint, args.versions, args.tiny)
+    else:
+        sys.exit(drive(args.versions, args.tiny))
+
+
+if __name__ == "__main__":
+    main()
