@@ -60,15 +60,28 @@ def engine_main(tiny: bool) -> None:
     import anyio
     import anyio.to_thread
 
+    from aiosync.core.layout import TensorSpec
     from aiosync.engine.receiver import WeightReceiver
     from aiosync.engine.sinks import ModuleSink
     from aiosync.runtime import run
     from aiosync.topology.sink import RankedSink
 
+    class SeeingSink(ModuleSink):
+        """A module sink that notes the devices its buckets' bytes were opened on."""
+
+        def __init__(self, targets: dict[str, torch.Tensor]) -> None:
+            super().__init__(targets)
+            self.seen: set[str] = set()
+
+        def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+            self.seen.add(str(bucket.device))
+            super().apply_bucket(bucket, specs)
+
     models = [
         {k: torch.zeros_like(v) for k, v in shard(0, r, d, tiny).items()}
         for r, d in enumerate(devices(tiny))
     ]
+    sinks = [SeeingSink(m) for m in models]
 
     def check(version: int) -> None:
         bad = [
@@ -77,10 +90,11 @@ def engine_main(tiny: bool) -> None:
             for name, want in shard(version, r, d, tiny).items()
             if not torch.equal(model[name].view(torch.int16), want.view(torch.int16))
         ]
-        line = {"engine_version": version, "exact": not bad, "differ": bad[:3]}
+        seen = [sorted(sink.seen) for sink in sinks]  # sink r reads buffers opened on GPU r
+        line = {"engine_version": version, "exact": not bad, "differ": bad[:3], "seen": seen}
         print(json.dumps(line), flush=True)
 
-    sink = RankedSink([ModuleSink(m) for m in models])
+    sink = RankedSink(sinks)
 
     async def serve() -> None:
         async with WeightReceiver(sink, on_commit=check) as receiver:
@@ -201,6 +215,7 @@ def drive(versions: int, tiny: bool) -> int:
             codes == [0, 0]
             and [c.get("engine_version") for c in checks] == list(range(1, versions + 1))
             and all(c.get("exact") for c in checks)
+            and all(c.get("seen") == [[str(d)] for d in devices(tiny)] for c in checks)
             and all(r.get("committed") == [0] for r in ranks)
             and len(ranks) == 2 * versions
         )

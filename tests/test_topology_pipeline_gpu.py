@@ -43,6 +43,7 @@ def _check(code: int, lines: list[dict[str, Any]], devices: list[str]) -> None:
     checks = [line for line in lines if "exact" in line]
     assert [c["engine_version"] for c in checks] == [1, 2]
     assert all(c["exact"] for c in checks), checks
+    assert all(c["seen"] == [[d] for d in devices] for c in checks)  # part r read on device r
     sources = [line for line in lines if "buckets" in line]
     assert [s["version"] for s in sources] == [1, 2]
     assert all(s["buckets"] > 2 for s in sources)  # several buckets of each rank
