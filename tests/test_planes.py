@@ -427,10 +427,12 @@ def test_sender_plane_that_fails_to_build_leaves_no_segment(
     made: list[ShmSegment] = []
     create = ShmSegment.create
 
-    def third_fails(size: int, *, backend: Backend = "file") -> ShmSegment:
+    def third_fails(
+        size: int, *, backend: Backend = "file", seal_writes: bool = False
+    ) -> ShmSegment:
         if len(made) == 2:
             raise OSError(28, "No space left on device")
-        made.append(create(size, backend=backend))
+        made.append(create(size, backend=backend, seal_writes=seal_writes))
         return made[-1]
 
     monkeypatch.setattr(ShmSegment, "create", third_fails)

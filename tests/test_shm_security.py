@@ -40,6 +40,7 @@ from aiosync.runtime import child_env
 
 SIZE = 64 * 1024
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux >= 5.1; not exported by Python 3.11's fcntl
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's file")
 
 
@@ -346,12 +347,21 @@ def test_an_unsealed_memfd_is_refused(opener: Opener) -> None:
             opener(handle)
 
 
-def test_a_memfd_sealed_against_writes_is_refused() -> None:
-    with (
-        hostile_memfd(seals=SEALS | fcntl.F_SEAL_WRITE) as handle,
-        pytest.raises(AiosyncError, match="sealed against writing"),
-    ):
+@pytest.mark.parametrize("seal", [fcntl.F_SEAL_WRITE, F_SEAL_FUTURE_WRITE])
+def test_a_memfd_sealed_against_writes_is_read_but_never_attached_writable(seal: int) -> None:
+    """Engines map read-only, so a write seal is no obstacle; a writable attach is refused."""
+    probe = os.memfd_create("aiosync-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        fcntl.fcntl(probe, fcntl.F_ADD_SEALS, seal)
+    except OSError:
+        pytest.skip("this kernel has no such seal (F_SEAL_FUTURE_WRITE needs Linux 5.1)")
+    finally:
+        os.close(probe)
+    with hostile_memfd(seals=SEALS | seal) as handle:
         receive(handle)
+        ShmSegment.attach(handle, writable=False).close()
+        with pytest.raises(AiosyncError, match="sealed against writing"):
+            ShmSegment.attach(handle)
 
 
 def test_a_memfd_of_the_wrong_mode_size_or_owner_is_refused() -> None:

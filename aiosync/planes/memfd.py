@@ -14,10 +14,12 @@ this user, mode 0600, exactly the claimed size (within the caller's limit), the 
 the creator named (``/memfd:aiosync-<pidns>-<pid>-<token>``, so a descriptor number reused
 for another file is refused), on the filesystem of this process's own memfds (not
 hugetlbfs, whose holes can fault), and sealed as above (``F_GET_SEALS``). It then reopens
-that checked descriptor read-write (``/proc/self/fd``, our own descriptor, which nobody
-else can change), checks it again, and the caller maps it with :mod:`mmap`; nothing is
-opened by name again. A sealed segment cannot shrink, so a mapped bucket can never fault.
-Zero copies.
+that checked descriptor (``/proc/self/fd``, our own descriptor, which nobody else can
+change) read-only, checks it again, and the caller maps it ``PROT_READ`` with :mod:`mmap`;
+nothing is opened by name again. A sealed segment cannot shrink, so a mapped bucket can
+never fault, and the engine cannot write into the creator's memory (a write through its
+view is a SIGSEGV). Zero copies. Only :meth:`~aiosync.planes.shm.ShmSegment.attach` with
+``writable=True`` reopens it read-write.
 
 Memfds need no name in ``/dev/shm``: a killed trainer leaves nothing behind and the size of
 ``/dev/shm`` does not matter (the memory counts against the machine's and the container's
@@ -28,6 +30,7 @@ in one PID namespace. The checks shared with files in ``/dev/shm`` are in
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import os
@@ -143,10 +146,15 @@ def memory_free() -> int | None:
     return min(known) if known else None
 
 
-def _create_memfd(size: int, stem: str) -> tuple[str, int, torch.Tensor]:
+def _create_memfd(
+    size: int, stem: str, *, seal_writes: bool = False
+) -> tuple[str, int, torch.Tensor]:
     """Make a sealed memfd of ``size`` bytes, mapped; returns its name, descriptor and view.
 
-    The caller keeps the descriptor open: the name points at it.
+    ``seal_writes``: also seal it with ``F_SEAL_FUTURE_WRITE`` (Linux >= 5.1; skipped
+    where the kernel refuses it) once it is mapped, so the returned view is the only way
+    left to change its bytes: no other descriptor or process can ``write``, punch holes or
+    map it writable. The caller keeps the descriptor open: the name points at it.
     """
     free = memory_free()
     _check_free(size, free, "memory")
@@ -154,8 +162,11 @@ def _create_memfd(size: int, stem: str) -> tuple[str, int, torch.Tensor]:
     try:
         os.fchmod(fd, MODE)
         _reserve(fd, size, "memory", free)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        tensor = _map(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        tensor = _map(fd, size)  # before the write seal, which refuses new writable maps
+        if seal_writes:
+            _seal_future_writes(fd)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
         raise
@@ -164,13 +175,28 @@ def _create_memfd(size: int, stem: str) -> tuple[str, int, torch.Tensor]:
     return name, fd, tensor
 
 
+def _seal_future_writes(fd: int) -> bool:
+    """Add ``F_SEAL_FUTURE_WRITE``; False where this kernel does not know it (before 5.1)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------------------
 # opening a peer's segment: every check on the descriptor
 # --------------------------------------------------------------------------------------
 
 
-def _open_memfd_segment(name: str, size: int, match: re.Match[str]) -> int:
-    """Open the sealed memfd ``/proc/<pid>/fd/<fd>`` that ``name`` points at; checked."""
+def _open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable: bool) -> int:
+    """Open the sealed memfd ``/proc/<pid>/fd/<fd>`` that ``name`` points at; checked.
+
+    ``writable=False`` (what an engine asks for) opens it read-only, so it can only be
+    mapped ``PROT_READ``; a segment sealed against writes is then accepted.
+    """
     shown = _shown(name)
     namespace, pid, number, token = (match.group(i) for i in range(1, 5))
     ours = pid_namespace()
@@ -219,8 +245,9 @@ def _open_memfd_segment(name: str, size: int, match: re.Match[str]) -> int:
         if os.readlink(f"/proc/self/fd/{path_fd}") != expected:
             raise AiosyncError(f"{gone} is another file")
         first = _check_descriptor(path_fd, name, size, links=None)
+        access = os.O_RDWR if writable else os.O_RDONLY
         fd = os.open(
-            f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+            f"/proc/self/fd/{path_fd}", access | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
         )
     except OSError as exc:
         raise AiosyncError(
@@ -242,7 +269,7 @@ def _open_memfd_segment(name: str, size: int, match: re.Match[str]) -> int:
             raise AiosyncError(
                 f"shared-memory segment {shown} is not sealed against shrinking and growing"
             )
-        if seals & _WRITE_SEALS:
+        if writable and seals & _WRITE_SEALS:
             raise AiosyncError(f"shared-memory segment {shown} is sealed against writing")
     except OSError as exc:
         os.close(fd)

@@ -94,11 +94,12 @@ def _warn_fallback() -> None:
 
 
 def open_segment(
-    handle: ShmHandle, *, max_size: int | None, writable: bool = True
+    handle: ShmHandle, *, max_size: int | None, writable: bool = False
 ) -> tuple[int, Backend]:
     """Open a peer's segment once and check it on the descriptor; returns it and its kind.
 
-    Raises :class:`AiosyncError` naming the segment and what is wrong with it. The caller
+    The descriptor is read-only unless ``writable`` (then a memfd sealed against writes is
+    refused). Raises :class:`AiosyncError` naming the segment and what is wrong with it. The caller
     owns the descriptor.
     """
     name = handle.name
@@ -106,7 +107,7 @@ def open_segment(
         raise AiosyncError(f"refusing shared-memory name {_shown(name)}")
     if match := _MEMFD_NAME.fullmatch(name):
         size = _check_size(name, handle.size, max_size)
-        return _open_memfd_segment(name, size, match), "memfd"
+        return _open_memfd_segment(name, size, match, writable=writable), "memfd"
     if _FILE_NAME.fullmatch(name):
         size = _check_size(name, handle.size, max_size)
         return _open_file_segment(name, size, writable=writable), "file"
@@ -144,7 +145,9 @@ class ShmSegment:
         self._tensor: torch.Tensor | None = tensor
 
     @classmethod
-    def create(cls, size: int, *, backend: Backend = "file") -> ShmSegment:
+    def create(
+        cls, size: int, *, backend: Backend = "file", seal_writes: bool = False
+    ) -> ShmSegment:
         """Make a segment of ``size`` bytes, readable and writable by this user only.
 
         ``backend``: ``"file"``, a name in ``/dev/shm`` (the default, which any process of
@@ -153,6 +156,11 @@ class ShmSegment:
         can: see :class:`ShmSenderPlane`). The memory is taken now: too little of it is an
         :class:`AiosyncError` saying how much was needed and how much is free, before
         anything is made.
+
+        ``seal_writes`` (memfds only; files cannot be sealed): seal it against writes
+        through anything but this segment's own view (``F_SEAL_FUTURE_WRITE``, Linux >=
+        5.1, skipped on older kernels), so no other process can change its bytes; others
+        can then attach it only read-only.
         """
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
@@ -164,25 +172,29 @@ class ShmSegment:
         token = secrets.token_hex(8)
         stem = f"{pid_namespace()}-{os.getpid()}-{token}"
         if backend == "memfd":
-            name, fd, tensor = _create_memfd(size, stem)
+            name, fd, tensor = _create_memfd(size, stem, seal_writes=seal_writes)
             return cls(name, size, tensor, owner=True, backend="memfd", fd=fd)
         name, tensor = _create_file(size, stem)
         return cls(name, size, tensor, owner=True, backend="file")
 
     @classmethod
-    def attach(cls, handle: ShmHandle, *, max_size: int | None = None) -> ShmSegment:
+    def attach(
+        cls, handle: ShmHandle, *, max_size: int | None = None, writable: bool = True
+    ) -> ShmSegment:
         """Map a segment another process made, after checking it (see :func:`open_segment`).
 
         ``max_size``: the most bytes the caller accepts (the claimed size must also be the
         segment's real size, so without it nothing bigger than what exists is mapped).
+        ``writable=False`` opens and maps it read-only (``PROT_READ``): a write through the
+        tensor is then a SIGSEGV in this process, never a change to the creator's memory.
 
         A memfd segment is sealed and cannot fault. A file segment is mapped too, and its
         creator could shrink it under the mapping: use this only for segments of a trusted
         creator. :class:`ShmReceiverPlane`, which trusts no peer, never maps a file.
         """
-        fd, kind = open_segment(handle, max_size=max_size)
+        fd, kind = open_segment(handle, max_size=max_size, writable=writable)
         try:
-            tensor = _map(fd, handle.size)
+            tensor = _map(fd, handle.size, writable=writable)
         except (OSError, ValueError) as exc:
             raise AiosyncError(
                 f"cannot map shared-memory segment {_shown(handle.name)}: {exc}"
@@ -232,7 +244,8 @@ class ShmSenderPlane:
 
     ``backend``: by default :data:`~aiosync.planes.memfd.BACKEND_ENV` (``memfd`` or
     ``file``) if set, else sealed memfds where they can be made, else files (with a
-    warning: engines then copy each bucket out). The segments stay open while the plane
+    warning: engines then copy each bucket out); memfds are sealed against writes by
+    anyone but this plane (``seal_writes``). The segments stay open while the plane
     is, so engines may join at any time between versions; :meth:`close` closes them.
     Memfds go with the trainer's process; files of a trainer killed before it could unlink
     them are removed by the next plane made or closed on this machine
@@ -244,7 +257,7 @@ class ShmSenderPlane:
         self._segments: list[ShmSegment] = []
         try:
             for _ in range(count):
-                self._segments.append(ShmSegment.create(capacity, backend=kind))
+                self._segments.append(ShmSegment.create(capacity, backend=kind, seal_writes=True))
         except BaseException:
             self.close()
             raise
@@ -280,7 +293,10 @@ class ShmSenderPlane:
 
 
 class _MappedBuffer:
-    """A sealed memfd, mapped: a bucket is a view of its first bytes (zero copies)."""
+    """A sealed memfd, mapped read-only: a bucket is a view of its first bytes (zero copies).
+
+    Nothing may write into a view: the pages are ``PROT_READ`` (a write is a SIGSEGV).
+    """
 
     def __init__(self, segment: ShmSegment) -> None:
         self._segment = segment
@@ -296,8 +312,10 @@ class _MappedBuffer:
 class ShmReceiverPlane:
     """An engine's hold on a sender's segments: sealed memfds mapped, files read (one copy).
 
-    Each segment is opened and checked as :mod:`aiosync.planes.memfd` (memfds) or
-    :mod:`aiosync.planes.shm_files` (files in ``/dev/shm``) describes.
+    Both are opened read-only: memfds are mapped ``PROT_READ`` (a view must never be
+    written into), files are read into this engine's own buffers. Each segment is opened
+    and checked as :mod:`aiosync.planes.memfd` (memfds) or :mod:`aiosync.planes.shm_files`
+    (files in ``/dev/shm``) describes.
 
     ``max_buffers`` and ``max_bytes`` bound what one peer's plane may name (an engine passes
     its limits; ``None``: no bound here beyond the segments' real sizes). Anything refused
@@ -328,7 +346,7 @@ class ShmReceiverPlane:
         try:
             for handle in handles:
                 if isinstance(handle.name, str) and _MEMFD_NAME.fullmatch(handle.name):
-                    segment = ShmSegment.attach(handle, max_size=max_bytes)
+                    segment = ShmSegment.attach(handle, max_size=max_bytes, writable=False)
                     self._buffers.append(_MappedBuffer(segment))
                 else:
                     fd, _ = open_segment(handle, max_size=max_bytes, writable=False)

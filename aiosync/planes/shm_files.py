@@ -38,6 +38,7 @@ import re
 import stat
 from pathlib import Path
 
+import numpy
 import torch
 
 from aiosync.core.errors import AiosyncError
@@ -130,13 +131,37 @@ def _reserve(fd: int, size: int, where: str, free: int | None) -> None:
         ) from None
 
 
-def _map(fd: int, size: int) -> torch.Tensor:
-    """Map ``size`` bytes of ``fd``, shared and read-write, as a flat ``uint8`` tensor.
+class _ReadOnlyRegion:
+    """A read-only mapping shown to numpy as plain memory, so torch takes it without a warning.
 
-    The tensor holds the only reference to the ``mmap`` object, which unmaps when the last
-    view of the tensor goes. Never close that object: ``torch.frombuffer`` does not keep
-    the buffer exported, so ``mmap.close()`` would unmap the pages under the tensor.
+    ``torch.frombuffer`` and ``torch.from_numpy`` warn on a read-only buffer (torch has no
+    read-only tensors). The pages themselves stay read-only: a write through the tensor is
+    a SIGSEGV, never a change to the peer's memory. This object keeps the mapping exported,
+    so it stays mapped while any view of the tensor lives.
     """
+
+    def __init__(self, region: mmap.mmap, size: int) -> None:
+        self._exported = numpy.frombuffer(region, dtype=numpy.uint8, count=size)
+        self.__array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (self._exported.ctypes.data, False),
+            "version": 3,
+        }
+
+
+def _map(fd: int, size: int, *, writable: bool = True) -> torch.Tensor:
+    """Map ``size`` bytes of ``fd``, shared, as a flat ``uint8`` tensor.
+
+    ``writable=False`` maps the pages ``PROT_READ`` only (``fd`` may then be opened
+    read-only): what an engine does with a peer's segment. The tensor holds the only
+    reference to the ``mmap`` object, which unmaps when the last view of the tensor goes.
+    Never close that object: ``torch.frombuffer`` does not keep the buffer exported, so
+    ``mmap.close()`` would unmap the pages under the tensor.
+    """
+    if not writable:
+        region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return torch.from_numpy(numpy.asarray(_ReadOnlyRegion(region, size)))
     region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(region, dtype=torch.uint8)
 

@@ -271,9 +271,14 @@ class RetentionStore:
 
 
 def _new_segment(size: int) -> ShmSegment:
-    """A sealed memfd (a file in ``/dev/shm`` where memfds cannot be made or are refused)."""
+    """A sealed memfd (a file in ``/dev/shm`` where memfds cannot be made or are refused).
+
+    A memfd is also sealed against writes (where the kernel can): only the server's own
+    view, through which it fills and refills the segment, can change it; subscribers map
+    it read-only.
+    """
     if memfd_available() and os.environ.get(BACKEND_ENV, "").strip().lower() != "file":
-        return ShmSegment.create(size, backend="memfd")
+        return ShmSegment.create(size, backend="memfd", seal_writes=True)
     return ShmSegment.create(size, backend="file")
 
 
