@@ -6,9 +6,7 @@ never touches CUDA or shared memory never loads their modules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 
 import torch
 
@@ -23,25 +21,6 @@ from aiosync.core.wire import (
     ShmPlaneSpec,
 )
 from aiosync.planes.base import ReceiverPlane, SenderPlane
-
-PlaneMaker = Callable[[torch.device, int, int], SenderPlane]
-"""Builds a sender's plane from its device, buffer count and buffer bytes."""
-
-_maker: ContextVar[PlaneMaker | None] = ContextVar("aiosync_plane_maker", default=None)
-
-
-@contextmanager
-def making_planes(maker: PlaneMaker) -> Iterator[None]:
-    """Within this block, :func:`create_sender_plane` builds planes with ``maker``.
-
-    How a sender of another plane (``aiosync.trainer.collective.CollectiveSender``) picks
-    its plane without a new argument on ``WeightSender``.
-    """
-    token = _maker.set(maker)
-    try:
-        yield
-    finally:
-        _maker.reset(token)
 
 
 def view_bucket(
@@ -68,9 +47,6 @@ def create_sender_plane(
     :mod:`aiosync.planes.cuda_legacy`); otherwise :meth:`SenderPlane.pack` returns with the
     bytes in place.
     """
-    maker = _maker.get()
-    if maker is not None:
-        return maker(device, count, capacity)
     if device.type == "cuda" and ordered:
         from aiosync.planes.cuda_legacy import CudaLegacySenderPlane
 
@@ -130,7 +106,6 @@ __all__ = [
     "ReceiverPlane",
     "SenderPlane",
     "create_sender_plane",
-    "making_planes",
     "open_receiver_plane",
     "view_bucket",
 ]

@@ -16,13 +16,11 @@ after a failed broadcast, leave and open a new sender (a new group).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import UsageError
-from aiosync.planes import making_planes
 from aiosync.planes.collective import CollectiveOptions, CollectiveSenderPlane
 from aiosync.trainer.sender import SenderConfig, Target, WeightSender
 
@@ -54,14 +52,7 @@ class CollectiveSender(WeightSender):
                 f"{given} engines given for a group of {collective.engines} engine ranks"
             )
 
-    async def __aenter__(self) -> CollectiveSender:
-        maker = partial(_make, options=self.collective)
-        with making_planes(maker):
-            await super().__aenter__()
-        return self
-
-
-def _make(
-    device: torch.device, count: int, capacity: int, *, options: CollectiveOptions
-) -> CollectiveSenderPlane:
-    return CollectiveSenderPlane(device, count, capacity, options)
+    def _create_plane(
+        self, device: torch.device, count: int, capacity: int
+    ) -> CollectiveSenderPlane:
+        return CollectiveSenderPlane(device, count, capacity, self.collective)

@@ -155,9 +155,7 @@ class WeightSender:
         require_asyncio("WeightSender")
         self._stack = AsyncExitStack()
         try:
-            plane = create_sender_plane(
-                self.device, self.config.num_buffers, self._capacity, ordered=True
-            )
+            plane = self._create_plane(self.device, self.config.num_buffers, self._capacity)
             self._stack.callback(plane.close)
             self._plane = plane
             self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
@@ -169,6 +167,14 @@ class WeightSender:
             await self._stack.aclose()
             raise
         return self
+
+    def _create_plane(self, device: torch.device, count: int, capacity: int) -> SenderPlane:
+        """The ring of ``count`` buffers of ``capacity`` bytes this sender packs into.
+
+        A sender of another kind of plane (a broadcast: :class:`~aiosync.trainer.collective.
+        CollectiveSender`) overrides this; the rest of the pipeline is the same.
+        """
+        return create_sender_plane(device, count, capacity, ordered=True)
 
     async def __aexit__(
         self,
