@@ -20,6 +20,7 @@ from aiosync import (
     BusyError,
     CallbackSink,
     FleetError,
+    MismatchError,
     ModuleSink,
     PeerGoneError,
     Policy,
@@ -916,3 +917,26 @@ async def test_a_busy_engine_refuses_a_fleets_version_as_busy() -> None:
                 assert (free.current_version, taken.current_version) == (None, None)
         finally:
             await raw.close()
+
+
+async def test_a_planes_own_failure_while_packing_keeps_its_type() -> None:
+    """A plane that fails on its own (a broadcast past its deadline, say) is not reported
+    as a tensor that could not be packed; the engine stays on its version."""
+    from aiosync.planes.shm import ShmSenderPlane
+
+    def timed_out(self: ShmSenderPlane, index: int, plan: object) -> None:
+        raise SyncTimeoutError("broadcast of bucket 1 timed out", version=1)
+
+    base = mixed_weights()
+    target = zeros_like(base)
+    async with (
+        WeightReceiver(ModuleSink(target)) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        await sender.send(base.items(), version=0)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ShmSenderPlane, "pack", timed_out)
+            with pytest.raises(SyncTimeoutError, match="broadcast of bucket 1") as caught:
+                await sender.send(bump(base, 1).items(), version=1)
+        assert not isinstance(caught.value, MismatchError)
+        assert receiver.current_version == 0

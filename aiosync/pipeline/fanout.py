@@ -148,6 +148,8 @@ class BucketFanout:
             self.plane.pack(index, plan)
         except MismatchError as exc:  # names the tensor that failed
             raise MismatchError(exc.reason, version=self.version, tensor=exc.tensor) from exc
+        except AiosyncError:  # the plane's own failure (a broadcast timed out, a peer gone)
+            raise
         except Exception as exc:
             names = ", ".join(spec.name for spec in plan.specs[:3])
             raise MismatchError(
