@@ -63,9 +63,9 @@ def one_name_each(manifest: Iterable[TensorMeta], rename: Callable[[str], str] |
 class CallbackSink:
     """Hands each bucket's tensors to ``load_weights(pairs)``, the shape of vLLM's loader.
 
-    The tensors are views into shared memory, read-only (a write through one is a SIGSEGV)
-    and valid only during the call: the callback must copy what it keeps or changes. A
-    tensor split across buckets is assembled first and passed whole.
+    The tensors are views into shared memory (on the CPU mapped read-only: a write through
+    one is a SIGSEGV), valid only during the call: the callback must copy what it keeps or
+    changes. A tensor split across buckets is assembled first and passed whole.
     ``expected`` (name -> (dtype, shape)) enables checks before anything is passed on, and
     then a version must cover ``required`` (default: every expected name). With
     ``expected``, ``cast=True`` accepts a floating tensor in another floating dtype and
