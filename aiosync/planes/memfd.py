@@ -4,8 +4,11 @@ Sealed memfds are what a trainer's data plane makes by default. The creator
 (:func:`_create_memfd`) makes an anonymous ``memfd_create`` file, mode 0600, takes its
 memory now (``posix_fallocate``, after checking :func:`memory_free`) and seals it with
 ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: from then on nobody, the creator included,
-can change its size. It keeps the descriptor open; the handle's name says where an engine
-finds it, ``aiosync-memfd-<pidns>-<pid>-<fd>-<token>``, that is ``/proc/<pid>/fd/<fd>``.
+can change its size. Asked to (``seal_writes``: a trainer's plane and the weight server do),
+it first maps it and adds ``F_SEAL_FUTURE_WRITE`` (Linux >= 5.1): from then on only that
+mapping can change its bytes. It keeps the descriptor open; the handle's name says where an
+engine finds it, ``aiosync-memfd-<pidns>-<pid>-<fd>-<token>``, that is
+``/proc/<pid>/fd/<fd>``.
 
 The engine (:func:`_open_memfd_segment`) refuses the name unless ``pidns`` is its own PID
 namespace, opens that path with ``O_PATH`` (which has no effect on whatever file it is: no

@@ -7,15 +7,15 @@ memfds cannot be made and sealed, or when ``AIOSYNC_SHM_BACKEND=file`` asks for 
 engine in another PID namespace that shares this ``/dev/shm``); they are also
 :meth:`~aiosync.planes.shm.ShmSegment.create`'s default. A file cannot be sealed, so an
 engine never maps one: :class:`~aiosync.planes.shm.ShmReceiverPlane` opens the name once
-(:func:`_open_file_segment`), relative to a descriptor of ``/dev/shm``, with ``O_NOFOLLOW``
-and without ``O_CREAT``, checks the descriptor (regular file, this user's, mode 0600, one
-link, the claimed size) and reads each bucket with ``preadv`` from that descriptor into its
-own buffer (:class:`_CopiedBuffer`), after checking the size again: a file shrunk at any
-moment makes a short read and an :class:`AiosyncError`, never a SIGBUS. The price is one
-copy per bucket on the engine (about the cost of a memcpy) and the engine's own buffer per
-segment. :meth:`~aiosync.planes.shm.ShmSegment.attach` does map such a file (the teacher
-buffers of :mod:`aiosync.compat.teacher` share writes both ways): its creator must be
-trusted not to shrink it.
+(:func:`_open_file_segment`), read-only, relative to a descriptor of ``/dev/shm``, with
+``O_NOFOLLOW`` and without ``O_CREAT``, checks the descriptor (regular file, this user's,
+mode 0600, one link, the claimed size) and reads each bucket with ``preadv`` from that
+descriptor into its own buffer (:class:`_CopiedBuffer`), after checking the size again: a
+file shrunk at any moment makes a short read and an :class:`AiosyncError`, never a SIGBUS.
+The price is one copy per bucket on the engine (about the cost of a memcpy) and the engine's
+own buffer per segment. :meth:`~aiosync.planes.shm.ShmSegment.attach` does map such a file
+(the teacher buffers of :mod:`aiosync.compat.teacher` share writes both ways): its creator
+must be trusted not to shrink it.
 
 The sender unlinks its files when it closes; :func:`sweep_stale_segments` removes those
 left by killed processes of this PID namespace (a pid from another namespace, say another
