@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from aiosync.cli import main
-from aiosync.cli.args import build_parser, resolve_device
+from aiosync.cli.args import build_parser
+from aiosync.cli.checks import resolve_device
 from aiosync.private_dirs import creator_pid
 from aiosync.runtime import child_env
 

@@ -1,8 +1,9 @@
 """The ``aiosync`` command (also ``python -m aiosync``): ``demo``, ``bench`` and two roles.
 
-Modules: :mod:`~aiosync.cli.args` (the parser and its checks), :mod:`~aiosync.cli.roles`
-(the ``trainer`` and ``engine`` processes), :mod:`~aiosync.cli.spawn` (starting and following
-them), :mod:`~aiosync.cli.demo` and :mod:`~aiosync.cli.bench` (the two user commands).
+Modules: :mod:`~aiosync.cli.args` (the parser), :mod:`~aiosync.cli.checks` (the values'
+checks), :mod:`~aiosync.cli.roles` (the ``trainer`` and ``engine`` processes),
+:mod:`~aiosync.cli.spawn` (starting and following them), :mod:`~aiosync.cli.demo` and
+:mod:`~aiosync.cli.bench` (the two user commands), :mod:`~aiosync.cli.serve` (the server).
 
 Signals are handled here only, never by the library: in the command's own processes
 SIGTERM unwinds like Ctrl-C does, so ``finally`` blocks and context managers remove private
@@ -22,7 +23,8 @@ import traceback
 from collections.abc import Callable
 from types import FrameType
 
-from aiosync.cli.args import CommandError, build_parser, resolve_device
+from aiosync.cli.args import build_parser
+from aiosync.cli.checks import CommandError, resolve_device
 
 __all__ = ["main"]
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from aiosync.cli.args import CommandError, MiB
+from aiosync.cli.checks import CommandError, MiB
 from aiosync.cli.spawn import run_stream
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from aiosync.cli.args import CommandError
+from aiosync.cli.checks import CommandError
 
 
 def keygen(args: argparse.Namespace) -> int:

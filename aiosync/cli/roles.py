@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from aiosync.cli.args import CommandError, MiB
+from aiosync.cli.checks import CommandError, MiB
 
 log = logging.getLogger("aiosync.cli")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from aiosync.cli.args import MiB, non_negative_int, positive_float, positive_int
+from aiosync.cli.checks import MiB, non_negative_int, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
 
         if args.keypair:
             if not args.allow:
-                from aiosync.cli.args import CommandError
+                from aiosync.cli.checks import CommandError
 
                 raise CommandError("--keypair needs --allow (the peers' public keys)")
             auth: ChannelAuth | None = ChannelAuth.server(args.keypair, args.allow)
@@ -101,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         upstream_auth = auth
         if args.upstream and args.keypair:
             if not args.upstream_key:
-                from aiosync.cli.args import CommandError
+                from aiosync.cli.checks import CommandError
 
                 raise CommandError("--upstream with --keypair needs --upstream-key")
             upstream_auth = ChannelAuth.client(args.keypair, args.upstream_key)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import IO, Any
 
-from aiosync.cli.args import CommandError, MiB
+from aiosync.cli.checks import CommandError, MiB
 from aiosync.private_dirs import make_private_dir
 
 
