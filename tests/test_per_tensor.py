@@ -453,3 +453,11 @@ def test_a_kept_layout_is_not_used_for_other_buffers_or_async_values() -> None:
             return torch.ones(3)
 
     assert memory.lay_out({**tensors, "a": Pending()}.items(), 2 * CAPACITY, 3) is None
+
+
+def test_the_step_timer_runs_both_sides_and_checks_the_result() -> None:
+    from aiosync.bench.per_tensor_steps import measure
+
+    steps = measure(300, 3)  # raises if the engine's tensors differ from the trainer's
+    assert {step.split(":")[0] for step in steps} == {"trainer", "engine"}
+    assert "engine: apply" in steps
