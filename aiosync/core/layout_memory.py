@@ -35,24 +35,25 @@ class _Kept:
     layout: VersionLayout
 
     def matches(self, pairs: Collection[tuple[str, Any]]) -> list[torch.Tensor] | None:
-        """The tensors of ``pairs`` if they look as the kept ones did, else None."""
-        if len(pairs) != len(self.names):
+        """The tensors of ``pairs`` if they look as the kept ones did, else None.
+
+        One comprehension per property: cheaper than a loop that checks each tensor in turn.
+        """
+        if len(pairs) != len(self.names) or [name for name, _ in pairs] != self.names:
             return None
-        tensors: list[torch.Tensor] = []
-        addresses: list[int] = []
-        tensor_type, dedupe = torch.Tensor, self.dedupe
-        for (name, tensor), kept, dtype, shape in zip(
-            pairs, self.names, self.dtypes, self.shapes, strict=True
-        ):
-            if type(tensor) is not tensor_type and not isinstance(tensor, tensor_type):
-                return None
-            if name != kept or tensor.dtype is not dtype or tensor.shape != shape:
-                return None
-            if dedupe:
-                addresses.append(tensor.data_ptr())
-            tensors.append(tensor)
-        if dedupe and len(set(addresses)) != len(addresses):
-            return None  # now two at one address: which one goes is decided afresh
+        tensors = [tensor for _, tensor in pairs]
+        tensor_type = torch.Tensor
+        if not all(type(t) is tensor_type or isinstance(t, tensor_type) for t in tensors):
+            return None
+        if [t.dtype for t in tensors] != self.dtypes:
+            return None
+        # (a list of sizes compared whole with a list of tuples is many times slower)
+        if any(t.shape != shape for t, shape in zip(tensors, self.shapes, strict=True)):
+            return None
+        if self.dedupe:
+            addresses = {t.data_ptr() for t in tensors}
+            if len(addresses) != len(tensors):
+                return None  # now two at one address: which one goes is decided afresh
         return tensors
 
     def rebuild(self, tensors: list[torch.Tensor]) -> VersionLayout:
