@@ -219,7 +219,7 @@ class ModuleSink:
     def _as_is(self, spec: TensorSpec) -> torch.Tensor | None:
         """The target a copy program writes ``spec`` into (in place, untied, not cast)."""
         name = spec.name
-        if name in self._tied or (self._cast and spec.dtype != self._dtypes[name]):
+        if name in self._tied or (self._cast and spec.dtype != self._dtypes.get(name)):
             return None
         return self.targets.get(name)
 
