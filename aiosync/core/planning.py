@@ -13,9 +13,9 @@ a tensor exists at a time, as with :func:`~aiosync.core.layout.plan_buckets`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, ItemsView, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, ItemsView, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,8 +38,8 @@ from aiosync.core.manifest import (
     visible_pairs,
 )
 
-if TYPE_CHECKING:
-    from aiosync.core.layout_memory import LayoutMemory
+Planner = Callable[..., "VersionLayout | None"]
+"""Lays pairs out as :func:`lay_out` does (``pairs, capacity, max_items, *, dedupe``)."""
 
 
 @dataclass
@@ -195,23 +195,23 @@ def read_source(
     given: Sequence[TensorMeta] | Mapping[str, torch.Tensor] | None,
     capacity: int,
     max_items: int = MAX_BUCKET_ITEMS,
-    memory: LayoutMemory | None = None,
+    planner: Planner | None = None,
 ) -> VersionSource:
     """Read ``source`` (and the ``given`` manifest, if any) into what a send streams.
 
     Per-tensor work: a sender runs it in a worker thread. A module, a mapping or its
     ``.items()`` sends each tensor once: a second name of the same tensor (tied weights)
     is dropped when the manifest is read from the source itself. Without ``given``, the
-    manifest and the plans come from one pass (:func:`lay_out`), or from ``memory`` when
-    the tensors look as they did last time.
+    manifest and the plans come from one pass of ``planner`` (default :func:`lay_out`; a
+    sender passes :meth:`~aiosync.core.layout_memory.LayoutMemory.lay_out`, which reuses
+    the last layout while the tensors look as they did last time).
     """
     if isinstance(source, torch.nn.Module):
         source = module_tensors(source)
     pairs = visible_pairs(source)
     if given is None and pairs is not None:
         dedupe = isinstance(source, Mapping | ItemsView)
-        planner = lay_out if memory is None else memory.lay_out
-        layout = planner(pairs, capacity, max_items, dedupe=dedupe)
+        layout = (planner or lay_out)(pairs, capacity, max_items, dedupe=dedupe)
         if layout is not None:
             return VersionSource(pairs, layout.manifest, layout.buckets(capacity))
         if dedupe:  # values still to be waited for: no manifest, as each bucket names its own

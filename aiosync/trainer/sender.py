@@ -327,7 +327,7 @@ class WeightSender:
             manifest,
             self._capacity,
             min(MAX_BUCKET_ITEMS, most),
-            self._layouts,
+            self._layouts.lay_out,
         )
         if version is None:
             known = [v for v in self.remote_versions.values() if v is not None]
