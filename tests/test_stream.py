@@ -940,3 +940,27 @@ async def test_a_planes_own_failure_while_packing_keeps_its_type() -> None:
                 await sender.send(bump(base, 1).items(), version=1)
         assert not isinstance(caught.value, MismatchError)
         assert receiver.current_version == 0
+
+
+async def test_an_engine_leaving_right_after_its_commit_still_acknowledges_it() -> None:
+    """The commit ack is queued when the version commits; closing the engine at once must
+    still deliver it (the sender would otherwise report a lost engine for a committed
+    version)."""
+    weights = {f"w{i}": torch.full((256,), float(i)) for i in range(8)}
+    for _ in range(30):  # a race: with no linger at close, about one round in 20 lost it
+        endpoints: list[str] = []
+        ready = anyio.Event()
+
+        async def engine() -> None:
+            async with WeightReceiver(ModuleSink(zeros_like(weights))) as receiver:
+                endpoints.append(receiver.endpoint)
+                ready.set()
+                await receiver.wait_for_version(0, timeout=10)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(engine)
+            with anyio.fail_after(10):
+                await ready.wait()
+            async with WeightSender(endpoints[0], config=SMALL) as sender:
+                report = await sender.send(weights, version=0)
+            assert [e.status for e in report.engines] == ["committed"]

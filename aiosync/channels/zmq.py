@@ -20,6 +20,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq_common import (
+    CLOSE_LINGER_MS,
     _wants_ipv6,
     _zmq_error,
     curve_keys,
@@ -155,14 +156,17 @@ class ZmqChannel:
                 if self._failure is not None:
                     raise self._failure
                 if self._lost.is_set():
-                    raise PeerGoneError("peer disconnected", peer=self._endpoint)
+                    try:  # what the peer sent before it left (its last ack) still counts
+                        frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        raise PeerGoneError("peer disconnected", peer=self._endpoint) from None
+                    return bytes(frames[-1])
                 ready = dict(await self._poller.poll())
-                if self._monitor is not None and self._monitor in ready:
-                    self._watch(parse_monitor_message(await self._monitor.recv_multipart()))
-                    continue
                 if self._socket in ready:
                     frames = await self._socket.recv_multipart()
                     return bytes(frames[-1])
+                if self._monitor is not None and self._monitor in ready:
+                    self._watch(parse_monitor_message(await self._monitor.recv_multipart()))
 
     def _watch(self, event: Mapping[str, object]) -> None:
         kind = event["event"]
@@ -196,6 +200,6 @@ class ZmqChannel:
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
-        self._socket.close(linger=0)
+        self._socket.close(linger=CLOSE_LINGER_MS)
         self._context.term()
         self._context = None

@@ -27,6 +27,13 @@ from aiosync.private_dirs import make_private_dir
 log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under before the split
 
 _LOCAL_SCHEMES = ("ipc", "inproc")
+
+CLOSE_LINGER_MS = 250
+"""How long closing a socket may still flush its queued messages (a last ack, a goodbye).
+
+Bounded, so a close never hangs on a dead peer; zero would drop an engine's final commit
+ack when it exits right after committing.
+"""
 _NETWORK_SCHEMES = ("tcp", "ws", "wss", "tipc", "vmci", "udp", "pgm", "epgm", "norm")
 
 

@@ -28,6 +28,7 @@ from zmq.utils import z85
 
 from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq_common import (
+    CLOSE_LINGER_MS,
     _ipc_path,
     _refuse_live_ipc,
     _wants_ipv6,
@@ -351,7 +352,7 @@ class ZmqListener:
         self._closed = True
         for peer in list(self._peers.values()):
             await peer.aclose()
-        self._socket.close(linger=0)
+        self._socket.close(linger=CLOSE_LINGER_MS)
         if self._zap is not None:  # after the ROUTER: no handler means no check at all
             self._zap.close(linger=0)
         self._ctx.term()
