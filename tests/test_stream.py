@@ -951,14 +951,14 @@ async def test_an_engine_leaving_right_after_its_commit_still_acknowledges_it() 
         endpoints: list[str] = []
         ready = anyio.Event()
 
-        async def engine() -> None:
+        async def engine(endpoints: list[str], ready: anyio.Event) -> None:
             async with WeightReceiver(ModuleSink(zeros_like(weights))) as receiver:
                 endpoints.append(receiver.endpoint)
                 ready.set()
                 await receiver.wait_for_version(0, timeout=10)
 
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(engine)
+            tasks.start_soon(engine, endpoints, ready)
             with anyio.fail_after(10):
                 await ready.wait()
             async with WeightSender(endpoints[0], config=SMALL) as sender:
