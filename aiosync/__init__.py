@@ -27,7 +27,7 @@ from aiosync.engine.sinks import CallbackSink, ModuleSink, WeightSink
 from aiosync.pipeline.report import SyncProgress, SyncReport
 from aiosync.trainer.sender import SenderConfig, WeightSender
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AiosyncError",

@@ -247,3 +247,11 @@ def test_python_dash_m_aiosync_is_the_aiosync_command(argv: list[str]) -> None:
         module.stdout,
         module.stderr,
     )
+
+
+def test_the_package_version_is_the_one_pyproject_declares() -> None:
+    import aiosync
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert aiosync.__version__ == declared
+    assert importlib.metadata.version("aiosync") == declared
