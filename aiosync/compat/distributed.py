@@ -250,7 +250,10 @@ def _held(lock: Any, deadline: Deadline) -> Iterator[None]:
         while not ray.get(lock.acquire.remote(), timeout=max(0.01, deadline.remaining())):
             if deadline.expired:
                 raise SyncTimeoutError("the rollout-engine lock was not acquired by the deadline")
-            time.sleep(LOCK_POLL)  # the actor lock said no: try again shortly
+            # The actor lock said no: try again shortly. A plain sleep is right here: this
+            # runs in the caller's thread (the reference's functions block by contract),
+            # never on an event loop; the bucket itself runs on the background loop.
+            time.sleep(LOCK_POLL)
         try:
             yield
         finally:

@@ -39,10 +39,17 @@ QUICK_COMMIT_TENSORS = 1024  # most tensors a pointer swap moves on the event lo
 class WeightSink(Protocol):
     """What a receiver needs from the thing that owns the weights.
 
-    Optional, and so not declared here: ``reserve()``, which the receiver calls once (in a
-    worker thread) when it starts, if the sink has it, to allocate what staging a version
-    needs, raising an :class:`~aiosync.AiosyncError` that says how many bytes are needed
-    and how many are free when they are not (:meth:`ModuleSink.reserve`).
+    Optional, and so not declared here (the receiver looks for each and does without it):
+
+    - ``reserve()``, which the receiver calls once (in a worker thread) when it starts, to
+      allocate what staging a version needs, raising an :class:`~aiosync.AiosyncError` that
+      says how many bytes are needed and how many are free when they are not
+      (:meth:`ModuleSink.reserve`);
+    - ``commit_quickly(version) -> bool``, tried on the event loop before :meth:`commit`
+      runs in a worker thread: True when it committed without moving bytes (a pointer
+      swap, :meth:`ModuleSink.commit_quickly`);
+    - ``part_devices``, for a sink made of one sink per trainer rank: the device each part
+      of a gathered plane is opened on (:attr:`aiosync.topology.RankedSink.part_devices`).
     """
 
     @property
