@@ -100,19 +100,25 @@ class ZmqChannel:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, int(_wants_ipv6(endpoint)))
+        channel: ZmqChannel | None = None
         try:
             if keys is not None:
                 public, secret, server = keys.client_keys()
                 sock.setsockopt(zmq.CURVE_SERVERKEY, server)
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            # The channel attaches its monitor first: a handshake that fails at once is seen.
+            channel = cls(sock, endpoint=endpoint, context=ctx)
             with map_exceptions(_zmq_error(endpoint)):
                 sock.connect(endpoint)
         except BaseException:
+            if channel is not None and channel._monitor is not None:
+                sock.disable_monitor()
+                channel._monitor.close(linger=0)
             sock.close(linger=0)
             ctx.term()
             raise
-        return cls(sock, endpoint=endpoint, context=ctx)
+        return channel
 
     @classmethod
     def wrap(cls, socket: zmq.Socket[bytes]) -> ZmqChannel:
