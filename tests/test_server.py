@@ -13,6 +13,7 @@ import torch
 from aiosync import ModuleSink, ReceiverConfig, SenderConfig, WeightSender
 from aiosync.channels.zmq import ZmqChannel
 from aiosync.core.errors import RejectedError, SyncTimeoutError
+from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.server import RetentionPolicy, ServerClient, ServerConfig, Subscriber, WeightServer
 from aiosync.server import messages as m
@@ -113,7 +114,7 @@ async def test_a_slow_engine_does_not_hold_the_publisher() -> None:
     release = __import__("threading").Event()
 
     class SlowSink(ModuleSink):
-        def apply_bucket(self, bucket: torch.Tensor, specs: list) -> None:  # type: ignore[override]
+        def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
             release.wait(WAIT)
             super().apply_bucket(bucket, specs)
 

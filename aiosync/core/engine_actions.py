@@ -37,7 +37,11 @@ class ClosePlane:
 
 @dataclass(frozen=True)
 class Apply:
-    """Hand the sink ``specs`` read from ``peer``'s buffer; report with ``applied``."""
+    """Hand the sink ``specs`` read from ``peer``'s buffer; report with ``applied``.
+
+    ``digest``/``held``: the bucket's content digest, and whether the engine's own store
+    (not the buffer) holds its bytes (:mod:`aiosync.engine.held`).
+    """
 
     peer: Peer
     version: int
@@ -45,6 +49,8 @@ class Apply:
     buffer: int
     used: int
     specs: list[TensorSpec]
+    digest: bytes | None = None
+    held: bool = False
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,8 @@ class EngineSession:
             return self._refuse(peer, session, bucket.seq, exc)
         if not self.staged:
             self.servable = False
-        return [Apply(peer, bucket.version, bucket.seq, bucket.buffer, bucket.used, specs)]
+        where = (bucket.buffer, bucket.used, specs, bucket.digest, bucket.held)
+        return [Apply(peer, bucket.version, bucket.seq, *where)]
 
     def applied(self, peer: Peer, seq: int, now: float) -> list[Action]:
         """The sink took bucket ``seq``: acknowledge it."""

@@ -196,6 +196,9 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     """Sender -> engine: buffer ``buffer`` holds ``used`` bytes of ``version``.
 
     With a manifest, ``slots`` refer to its entries; without one, ``specs`` name each tensor.
+    ``digest``: the SHA-256 of the bucket's bytes (the engine may keep them by it, to resume
+    an interrupted version); ``held``: the engine holds these bytes already (it said so),
+    so it reads them from its own store, not from ``buffer``.
     """
 
     version: int
@@ -204,6 +207,8 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     used: int
     slots: list[Slot] = []
     specs: list[TensorSpec] = []
+    digest: bytes | None = None
+    held: bool = False
 
 
 class Complete(msgspec.Struct, frozen=True, tag="complete"):

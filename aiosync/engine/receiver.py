@@ -46,6 +46,7 @@ from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, U
 from aiosync.core.wire import Message, decode, encode
 from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
 from aiosync.engine.sinks import WeightSink
 from aiosync.engine.triage import apply_error, walks_tensors
@@ -68,7 +69,7 @@ class WeightReceiver:
     ``async with``, entered and left in one task: the serving tasks live inside the block and
     are cancelled, with every socket and buffer released, when it ends. While one sender
     streams, another's version is refused as busy (it may retry). ``on_commit(version)`` runs
-    in a worker thread after each commit.
+    in a worker thread after each commit. ``held`` keeps buckets named by digest until a commit.
     """
 
     def __init__(
@@ -79,8 +80,9 @@ class WeightReceiver:
         config: ReceiverConfig | None = None,
         on_commit: Callable[[int], object] | None = None,
         auth: ChannelAuth | None = None,
+        held: HeldBuckets | None = None,
     ) -> None:
-        self.sink = sink
+        self.sink, self.held = sink, held
         self._auth = auth
         self.config = config or ReceiverConfig()
         self._endpoint = endpoint
@@ -379,11 +381,14 @@ class WeightReceiver:
         A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
         """
         with ordered_apply(plane, action.buffer):
-            bucket = view_bucket(plane, action.buffer, action.used, action.specs)
-            self.sink.apply_bucket(bucket, action.specs)
+            parts = [(view_bucket(plane, action.buffer, action.used, action.specs), action.specs)]
+            for bucket, specs in held_or_parts(self.held, parts, action):
+                self.sink.apply_bucket(bucket, specs)
 
     async def _committed_hook(self, version: int) -> None:
         log.info("committed version %d", version)
+        if self.held is not None:  # the version is whole: the buckets kept for it go
+            await anyio.to_thread.run_sync(self.held.clear)
         self._committed.set()
         self._committed = anyio.Event()
         if self._on_commit is not None:

@@ -29,8 +29,11 @@ class SubscriberState:
     target: int | None = None  # a fetched version, while not following
     connected: bool = True
     transfers: int = 0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # bucket bytes sent (every transfer, failed ones too)
+    bytes_held: int = 0  # bucket bytes it was not sent because it held them
     last_error: str | None = None
+    resume: bool = False  # name each bucket by digest: it keeps them to resume
+    held: frozenset[bytes] = frozenset()  # digests it holds from an unfinished version
 
 
 @dataclass
@@ -49,6 +52,11 @@ class FleetBook:
         state = SubscriberState(name, max_lag, follow=follow)
         self.subscribers[name] = state
         return state
+
+    @property
+    def books(self) -> list[SubscriberState]:
+        """Every subscriber now."""
+        return list(self.subscribers.values())
 
     def remove(self, name: str) -> None:
         """Forget a subscriber (it no longer counts towards bounds)."""

@@ -7,7 +7,8 @@ travel here. Versions reach a subscriber as an ordinary weight stream (protocol 
 =============  ==========  ==========================================================
 message        direction   meaning
 =============  ==========  ==========================================================
-``subscribe``  C -> S      send versions to the receiver at ``endpoint``; may lag ``max_lag``
+``subscribe``  C -> S      send versions to the receiver at ``endpoint``; may lag ``max_lag``;
+                           (resuming) the buckets it holds already, by digest
 ``fetch``      C -> S      send this retained version and stay on it (stop following)
 ``follow``     C -> S      follow the newest version again
 ``status?``    C -> S      report versions and engines now
@@ -24,18 +25,27 @@ message        direction   meaning
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec
+from aiosync.engine.held import DIGEST_BYTES
+
+if TYPE_CHECKING:
+    from aiosync.server.fleet import SubscriberState
 
 
 class Subscribe(msgspec.Struct, frozen=True, tag="subscribe"):
     """Send versions to the receiver at ``endpoint`` (it may lag ``max_lag`` versions).
 
     ``key``: the receiver's public CURVE key (Z85), for a ``tcp://`` endpoint with keys.
+    ``resume``: name every bucket by its digest (the engine keeps the buckets of a version
+    until it commits); ``held``: digests of buckets the engine holds already (from a
+    version it did not finish, ``held_version``), which the server then does not send.
+    The server reads at most :data:`MAX_HELD` of them; a malformed or unknown digest is
+    simply not held.
     """
 
     name: str
@@ -43,6 +53,9 @@ class Subscribe(msgspec.Struct, frozen=True, tag="subscribe"):
     max_lag: int = 0
     follow: bool = True
     key: str | None = None
+    resume: bool = False
+    held: list[bytes] = []
+    held_version: int | None = None
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -72,13 +85,21 @@ class Wait(msgspec.Struct, frozen=True, tag="wait"):
 
 
 class EngineStatus(msgspec.Struct, frozen=True, array_like=True):
-    """One subscriber as the server sees it."""
+    """One subscriber as the server sees it; bytes of its buckets sent, and those it held."""
 
     name: str
     version: int | None
     max_lag: int
     lag: int | None
     connected: bool
+    bytes_sent: int = 0
+    bytes_held: int = 0
+
+
+def engine_status(state: SubscriberState, lag: int | None) -> EngineStatus:
+    """What the server reports of one subscriber."""
+    s = state
+    return EngineStatus(s.name, s.version, s.max_lag, lag, s.connected, s.bytes_sent, s.bytes_held)
 
 
 class Status(msgspec.Struct, frozen=True, tag="status"):
@@ -153,6 +174,9 @@ MAX_CONTROL_BYTES = 1 << 20
 CHUNK_BYTES = 4 << 20
 """Bucket bytes per :class:`Chunk`."""
 
+MAX_HELD = 1 << 14
+"""Digests of held buckets a server reads from one subscription (the rest are not held)."""
+
 MAX_RELAY_REPLY = 256 << 20
 """Largest reply a relay accepts (a :class:`Head` of a version with many tensors)."""
 
@@ -170,6 +194,11 @@ def health(status: Status) -> tuple[bool, dict[str, Any]]:
         "engines": {e.name: {"version": e.version, "lag": e.lag} for e in status.engines},
     }
     return status.newest is not None, detail
+
+
+def held_digests(digests: list[bytes]) -> frozenset[bytes]:
+    """A subscriber's claimed digests (peer input): at most :data:`MAX_HELD`, each 32 bytes."""
+    return frozenset(d for d in digests[:MAX_HELD] if len(d) == DIGEST_BYTES)
 
 
 def bounded_wait(seconds: float, most: float) -> float:

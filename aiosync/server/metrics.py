@@ -52,6 +52,9 @@ class ServerMetrics:
         )
         self.bytes_in = prom.Counter("aiosync_bytes_published", "Bytes published", registry=r)
         self.bytes_out = prom.Counter("aiosync_bytes_served", "Bytes streamed", registry=r)
+        self.bytes_held = prom.Counter(
+            "aiosync_bytes_held", "Bytes not streamed: the engine held them", registry=r
+        )
         self.failures = prom.Counter(
             "aiosync_transfer_failures", "Transfers to subscribers that failed", registry=r
         )

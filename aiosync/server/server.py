@@ -29,7 +29,7 @@ from aiosync.engine.receiver import WeightReceiver
 from aiosync.runtime import require_asyncio
 from aiosync.server import messages as m
 from aiosync.server.config import ServerConfig
-from aiosync.server.feed import gone_while_idle, is_refusal, send_version
+from aiosync.server.feed import counter, feed_version, gone_while_idle, is_refusal, retried
 from aiosync.server.fleet import FleetBook, SubscriberState, subscription_problem
 from aiosync.server.relay import Relay, RelayDesk
 from aiosync.server.store import RetainingSink, RetentionStore
@@ -99,10 +99,7 @@ class WeightServer:
 
     def status(self) -> m.Status:
         """Newest and retained versions, and each engine's version, bound and lag."""
-        engines = [
-            m.EngineStatus(s.name, s.version, s.max_lag, self.fleet.lag(s.name), s.connected)
-            for s in self.fleet.subscribers.values()
-        ]
+        engines = [m.engine_status(s, self.fleet.lag(s.name)) for s in self.fleet.books]
         return m.Status(self.store.newest, self.store.versions, engines)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
@@ -329,6 +326,7 @@ class WeightServer:
             await self._reply(control, m.Refused(str(exc)))
             return None
         state = self.fleet.add(name, request.max_lag, follow=request.follow)
+        state.resume, state.held = request.resume, m.held_digests(request.held)
         self._begun[name] = time.perf_counter()
         self._tasks.start_soon(self._feed, state, channel, control)
         log.info("subscriber %s at %s (max lag %d)", name, request.endpoint, request.max_lag)
@@ -352,15 +350,18 @@ class WeightServer:
                     continue
                 started = time.perf_counter()
                 try:
-                    done = await send_version(
+                    done = await feed_version(
                         channel,
-                        state.name,
+                        state,
                         retained,
                         sender=sender,
                         timeout=self.config.timeout,
                         window=self.config.window,
+                        counted=counter(state, self.metrics),
                     )
                 except AiosyncError as exc:
+                    if await retried(exc, channel):  # busy: the same version, a moment later
+                        continue
                     state.last_error = str(exc)
                     log.warning("transfer to %s failed: %s", state.name, exc)
                     if self.metrics is not None:
@@ -371,7 +372,7 @@ class WeightServer:
                     continue
                 finally:
                     self.store.unpin(retained.version)
-                self._served(state, done.version, done.bytes_sent, started)
+                self._served(state, done.version, done.buckets_sent, started)
         finally:
             self.fleet.remove(state.name)
             self._begun.pop(state.name, None)
@@ -384,15 +385,12 @@ class WeightServer:
             log.info("subscriber %s left", state.name)
 
     def _served(
-        self, state: SubscriberState, version: int | None, sent: int, started: float
+        self, state: SubscriberState, version: int | None, buckets: int, began: float
     ) -> None:
-        state.version = version
-        state.transfers += 1
-        state.bytes_sent += sent
-        if self.metrics is not None and sent:
+        state.version, state.transfers = version, state.transfers + 1
+        if self.metrics is not None and buckets:  # bytes are counted as they go
             self.metrics.served.inc()
-            self.metrics.bytes_out.inc(sent)
-            self.metrics.latency.labels("transfer").observe(time.perf_counter() - started)
+            self.metrics.latency.labels("transfer").observe(time.perf_counter() - began)
             joined = self._begun.pop(state.name, None)
             if joined is not None:
                 self.metrics.latency.labels("late_join").observe(time.perf_counter() - joined)

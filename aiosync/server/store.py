@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from aiosync.core.errors import AiosyncError, UsageError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations, TensorMeta
 from aiosync.core.wire import ShmPlaneSpec, Slot
+from aiosync.engine.held import bucket_digest
 from aiosync.planes.memfd import BACKEND_ENV, memfd_available
 from aiosync.planes.shm import ShmSegment
 from aiosync.server.retention import RetentionBook, RetentionPolicy
@@ -40,7 +42,7 @@ class RetainedBucket:
     used: int
     specs: list[TensorSpec]
     slots: list[Slot] = field(default_factory=list)
-    digest: bytes | None = None  # of its content (SHA-256), once a relay asked
+    digest: bytes | None = None  # of its content (SHA-256), once a relay or resumer asked
 
 
 @dataclass
@@ -52,6 +54,19 @@ class RetainedVersion:
     manifest: list[TensorMeta]
     tensors: int  # whole tensors (what a ``complete`` counts)
     nbytes: int
+
+    def digests(self) -> list[bytes]:
+        """Each bucket's content digest (SHA-256), computed once (a worker thread).
+
+        Buckets are hashed in parallel, one thread per core (hashing releases the GIL).
+        """
+        missing = [bucket for bucket in self.buckets if bucket.digest is None]
+        if missing:
+            with ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
+                found = pool.map(lambda b: bucket_digest(b.segment.tensor[: b.used]), missing)
+                for bucket, digest in zip(missing, found, strict=True):
+                    bucket.digest = digest
+        return [bucket.digest or b"" for bucket in self.buckets]
 
     @property
     def spec(self) -> ShmPlaneSpec:

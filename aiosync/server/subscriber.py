@@ -4,11 +4,17 @@ A subscriber is an ordinary :class:`~aiosync.engine.receiver.WeightReceiver` (it
 leases, checks and limits unchanged) plus a control channel on which it asks the server
 to feed it: the newest version as it appears (within ``max_lag``), or a named retained
 one. Versions arrive as weight streams from the server to the receiver's endpoint.
+
+A subscriber that resumes keeps the buckets of a version until it commits, by digest
+(:class:`~aiosync.engine.held.HeldBuckets`: in memory, or files in ``resume_dir``); when
+it subscribes again (:meth:`Subscriber.resubscribe`, or a new process with the same
+directory) it tells the server which it holds, and the server sends only the others.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -25,6 +31,7 @@ from aiosync.core.errors import (
     SyncTimeoutError,
 )
 from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.held import HeldBuckets
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import WeightSink
 from aiosync.runtime import require_asyncio
@@ -91,6 +98,17 @@ class ServerClient:
             f"no answer to {type(message).__name__} within {wait:g}s", peer=self.endpoint
         )
 
+    async def reconnect(self) -> None:
+        """Close the control channel and open a new one (the server sees a new client)."""
+        from aiosync.channels.zmq import ZmqChannel
+
+        async with self._lock:
+            old, self._channel = self._channel, None
+            if old is not None:
+                with anyio.CancelScope(shield=True):
+                    await old.aclose()
+            self._channel = ZmqChannel.connect(self.endpoint, auth=self._auth)
+
     async def status(self) -> m.Status:
         """Newest and retained versions, and every engine's version and lag."""
         return await self.request(m.StatusRequest())
@@ -121,6 +139,16 @@ class Subscriber:
     is where the receiver binds (default: ``ipc://`` in a private directory; a ``tcp://``
     one takes ``receiver_auth``); ``auth`` reaches the server's control endpoint.
     ``on_commit(version)`` runs in a worker thread after each commit.
+
+    ``resume=True`` keeps the buckets of a version in host memory until it commits (by
+    content digest, which the server then sends with each bucket), so that after a broken
+    transfer :meth:`resubscribe` is sent only the buckets missing; ``resume_dir`` keeps
+    them as files there instead (a private directory, 0700; one engine per directory), so
+    a new process subscribing with the same directory is sent only the missing ones too.
+    ``resume_bytes`` bounds what is kept (besides: the buckets of two versions at most).
+    A held bucket is checked against its digest when read back; one that fails is sent
+    again. ``resume`` may also be a :class:`HeldBuckets` to share between subscribers
+    made one after another.
     """
 
     def __init__(
@@ -137,8 +165,17 @@ class Subscriber:
         receiver_auth: ChannelAuth | None = None,
         timeout: float = 30.0,
         on_commit: Callable[[int], object] | None = None,
+        resume: bool | HeldBuckets = False,
+        resume_dir: str | os.PathLike[str] | None = None,
+        resume_bytes: int | None = None,
     ) -> None:
         self.server = server
+        if isinstance(resume, HeldBuckets):
+            self.held: HeldBuckets | None = resume
+        elif resume or resume_dir is not None:
+            self.held = HeldBuckets(resume_dir, max_bytes=resume_bytes, reuse=True)
+        else:
+            self.held = None
         self.name = name
         self.max_lag = max_lag
         self._follow = follow
@@ -147,7 +184,12 @@ class Subscriber:
         self._user_on_commit = on_commit
         self._committed = anyio.Event()
         self.receiver = WeightReceiver(
-            sink, endpoint, config=config, auth=receiver_auth, on_commit=self._on_commit
+            sink,
+            endpoint,
+            config=config,
+            auth=receiver_auth,
+            on_commit=self._on_commit,
+            held=self.held,
         )
         self.client = ServerClient(server, auth=auth, timeout=timeout)
 
@@ -181,20 +223,46 @@ class Subscriber:
         try:
             await stack.enter_async_context(self.receiver)
             await stack.enter_async_context(self.client)
-            key = self._receiver_auth.public_key if self._receiver_auth else None
-            subscribe = m.Subscribe(
-                self.name,
-                self.receiver.endpoint,
-                self.max_lag,
-                self._follow,
-                key=None if key is None else key.decode("ascii"),
-            )
-            await self.client.request(subscribe)
+            await self.client.request(await self._subscription())
         except BaseException:
             await stack.aclose()
             raise
         self._stack = stack
         return self
+
+    async def _subscription(self) -> m.Subscribe:
+        key = self._receiver_auth.public_key if self._receiver_auth else None
+        held = self.held
+        return m.Subscribe(
+            self.name,
+            self.receiver.endpoint,
+            self.max_lag,
+            self._follow,
+            key=None if key is None else key.decode("ascii"),
+            resume=held is not None,
+            held=[] if held is None else await anyio.to_thread.run_sync(held.digests),
+            held_version=None if held is None else held.version,
+        )
+
+    async def resubscribe(self, timeout: float) -> None:
+        """Subscribe again, on a new control channel, saying which buckets are held.
+
+        For an engine the server dropped (a transfer to it broke): the server then sends
+        the version again without the buckets this engine kept. While the server still
+        counts the old subscription (it has not noticed yet) it refuses; this retries
+        until ``timeout`` and then raises the last refusal.
+        """
+        refusal: AiosyncError = SyncTimeoutError(f"not subscribed again within {timeout:g}s")
+        with anyio.move_on_after(timeout):
+            while True:
+                await self.client.reconnect()
+                try:
+                    await self.client.request(await self._subscription())
+                    return
+                except RejectedError as exc:
+                    refusal = exc
+                await anyio.sleep(0.05)
+        raise refusal
 
     async def __aexit__(
         self,
