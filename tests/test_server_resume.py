@@ -133,7 +133,9 @@ async def test_a_dropped_transfer_resumes_with_only_the_missing_buckets() -> Non
                 await until(lambda: len(held.digests()) == k)
                 assert sub.current_version is None
                 assert held.digests() == [digest for digest, _ in buckets[:k]]
+                assert not await sub.subscribed()  # what an engine asks to find out
                 await sub.resubscribe(WAIT)
+                assert await sub.subscribed()
                 second = await subscribed(server, "e")
                 assert await sub.wait_for_version(0, WAIT) == 0
                 await until(lambda: not held.digests())  # cleaned once committed

@@ -244,6 +244,11 @@ class Subscriber:
             held_version=None if held is None else held.version,
         )
 
+    async def subscribed(self) -> bool:
+        """Whether the server counts this (named) engine now; False: it was dropped."""
+        status = await self.client.status()
+        return any(engine.name == self.name for engine in status.engines)
+
     async def resubscribe(self, timeout: float) -> None:
         """Subscribe again, on a new control channel, saying which buckets are held.
 
