@@ -328,8 +328,14 @@ def test_the_store_checks_bounds_and_cleans(tmp_path: Path) -> None:
     # a new process finds the files; a partial write and a foreign file are not buckets
     (tmp_path / "d" / (d0.hex() + ".part")).write_bytes(b"partial")
     (tmp_path / "d" / "foreign").write_bytes(b"x")
+    (tmp_path / "elsewhere").write_bytes(bytes(1000))
+    (tmp_path / "d" / ("ab" * 32)).symlink_to(tmp_path / "elsewhere")  # never followed
+    os.mkfifo(tmp_path / "d" / ("cd" * 32))  # never opened
     again = HeldBuckets(tmp_path / "d", max_bytes=2500)
     assert again.digests() == [d2]
+    assert not (tmp_path / "d" / ("ab" * 32)).is_symlink()
+    assert not (tmp_path / "d" / ("cd" * 32)).exists()
+    assert (tmp_path / "elsewhere").exists()
     assert again.version is None
     assert not (tmp_path / "d" / (d0.hex() + ".part")).exists()
     (tmp_path / "d" / d2.hex()).write_bytes(bytes(1000))  # corrupted on disk

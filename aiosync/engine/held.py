@@ -209,9 +209,12 @@ class HeldBuckets:
                 kept = []
             self._versions = [None]
             if self.directory is not None:
-                for path in self.directory.iterdir():
-                    if _SAVED.fullmatch(path.name) or _PART.fullmatch(path.name):
-                        path.unlink(missing_ok=True)
+                try:
+                    for path in self.directory.iterdir():
+                        if _SAVED.fullmatch(path.name) or _PART.fullmatch(path.name):
+                            path.unlink(missing_ok=True)
+                except OSError as exc:  # never fails a commit: logged, and files are checked
+                    log.warning("could not empty %s: %s", self.directory, exc)
         return kept
 
     # --- inside the lock ------------------------------------------------------------
@@ -244,7 +247,10 @@ class HeldBuckets:
     def _drop(self, digest: bytes) -> None:
         self._entries.pop(digest, None)
         if self.directory is not None:
-            (self.directory / digest.hex()).unlink(missing_ok=True)
+            try:
+                (self.directory / digest.hex()).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not remove bucket %s: %s", digest.hex()[:16], exc)
 
     def _write(self, digest: bytes, data: torch.Tensor) -> bool:
         assert self.directory is not None
@@ -264,17 +270,18 @@ class HeldBuckets:
     def _read(self, digest: bytes, used: int) -> torch.Tensor | None:
         """A saved bucket's bytes (a regular file of exactly ``used`` bytes), unchecked."""
         assert self.directory is not None
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # never a link; a fifo never blocks
         try:
-            fd = os.open(self.directory / digest.hex(), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+            with os.fdopen(os.open(self.directory / digest.hex(), flags), "rb") as saved:
+                info = os.fstat(saved.fileno())
+                if not stat.S_ISREG(info.st_mode) or info.st_size != used:
+                    return None
+                data = torch.empty(used, dtype=torch.uint8)
+                if saved.readinto(data.numpy().data) != used:
+                    return None
+        except OSError as exc:
+            log.warning("could not read bucket %s: %s", digest.hex()[:16], exc)
             return None
-        with os.fdopen(fd, "rb") as saved:
-            info = os.fstat(saved.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_size != used:
-                return None
-            data = torch.empty(used, dtype=torch.uint8)
-            if saved.readinto(data.numpy().data) != used:
-                return None
         return data
 
     def _scan(self, directory: Path) -> None:
@@ -286,7 +293,10 @@ class HeldBuckets:
                 continue
             if not _SAVED.fullmatch(path.name):
                 continue  # not ours: never read, never removed
-            info = os.stat(path, follow_symlinks=False)
+            try:
+                info = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
             too_many = self.max_bytes is not None and total + info.st_size > self.max_bytes
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or too_many:
                 path.unlink(missing_ok=True)
