@@ -325,6 +325,8 @@ def test_the_store_checks_bounds_and_cleans(tmp_path: Path) -> None:
     assert torch.equal(taken, b3)
     assert store.take(2, d3, 999) is None  # the wrong size: dropped
     assert store.take(2, d0, 1000) is None
+    assert store.take(3, d2, 1000) is not None  # a bucket of version 1 serves version 3
+    assert store.digests() == [d2]  # and is kept for it; version 2's went
     # a new process finds the files; a partial write and a foreign file are not buckets
     (tmp_path / "d" / (d0.hex() + ".part")).write_bytes(b"partial")
     (tmp_path / "d" / "foreign").write_bytes(b"x")

@@ -147,10 +147,11 @@ class HeldBuckets:
             return False
         nbytes = data.numel()
         with self._lock:
-            self._advance(version)
             entry = self._entries.get(digest)
             if entry is not None:
-                entry.version = version
+                entry.version = version  # before older versions' buckets go
+            self._advance(version)
+            if entry is not None:
                 return True
             if not self._room(nbytes):
                 return False
@@ -182,8 +183,8 @@ class HeldBuckets:
             if data is None or entry.nbytes != used:
                 self._drop(digest)
                 return None
+            entry.version = version  # before older versions' buckets go
             self._advance(version)
-            entry.version = version
             if self.memory:
                 entry.data, entry.checked = data, True
             return data
