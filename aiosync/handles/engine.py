@@ -43,6 +43,7 @@ from aiosync.core.errors import AiosyncError
 from aiosync.core.manifest import Expectations
 from aiosync.engine.sinks import WeightSink
 from aiosync.handles.alias_store import AliasStore, rank_alias
+from aiosync.handles.colocated import ColocatedUpdates, error_text, version_number
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
 from aiosync.handles.release import release
 from aiosync.handles.scratch import Scratch
@@ -73,17 +74,6 @@ class _Pending:
 
     version: int
     covered: set[str] = field(default_factory=set)
-
-
-def _text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _version_number(weight_version: str | None, committed: int | None) -> int:
-    """``weight_version`` as an int when it is one, else the version after ``committed``."""
-    if weight_version is not None and weight_version.isdigit() and len(weight_version) < 19:
-        return int(weight_version)
-    return 0 if committed is None else committed + 1
 
 
 class AiosyncEngine:
@@ -118,6 +108,7 @@ class AiosyncEngine:
         self._last_error = ""
         self._mixed = False
         self._expected: list[Expectations | None] | None = None
+        self._colocated: ColocatedUpdates | None = None
 
     # --- what the engine serves ---------------------------------------------------------
 
@@ -271,9 +262,33 @@ class AiosyncEngine:
         return True, f"{self.name} left {group_name!r}"
 
     def close(self) -> None:
-        """Leave every group."""
+        """Leave every group; close buffers a colocated update left open."""
         for name in list(self._groups):
             self.destroy_weights_update_group(name)
+        if self._colocated is not None:
+            self._colocated.close()
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[bytes | str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Answer:
+        """One colocated call, one part per rank, read by :mod:`aiosync.handles.colocated`."""
+        del flush_cache
+        with self._lock:
+            self._abort_pending()  # a broadcast version left unfinished
+            if self._colocated is None:
+                self._colocated = ColocatedUpdates(self._sinks, self.name)
+            outcome = self._colocated.update(
+                serialized_named_tensors, load_format, weight_version, self._committed
+            )
+            if outcome.success and outcome.committed != self._committed:
+                self._committed, self._last_error, self._mixed = outcome.committed, "", False
+            elif not outcome.success:
+                self._last_error, self._mixed = outcome.message, not outcome.servable
+        return outcome.success, outcome.message
 
     # --- receiving ----------------------------------------------------------------------
 
@@ -321,7 +336,7 @@ class AiosyncEngine:
         if load_format != FLATTENED and load_format not in PER_TENSOR_FORMATS:
             raise AiosyncError(f"unsupported load_format {load_format!r}")
         specs, used = bucket_layout(names, dtypes, shapes, max_bytes=self.max_bucket_bytes)
-        version = _version_number(weight_version, self._committed)
+        version = version_number(weight_version, self._committed)
         if self._pending is not None and self._pending.version != version:
             log.warning(
                 "%s: version %d left unfinished for %d", self.name, self._pending.version, version
@@ -371,7 +386,7 @@ class AiosyncEngine:
                 log.exception("%s: abort of a sink failed", self.name)
 
     def _failed(self, what: str, exc: BaseException) -> Answer:
-        text = f"{self.name}: {what} failed: {_text(exc)}"
+        text = f"{self.name}: {what} failed: {error_text(exc)}"
         log.warning("%s", text)
         self._last_error = text
         return False, text
