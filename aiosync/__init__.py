@@ -25,6 +25,7 @@ from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import CallbackSink, ModuleSink, WeightSink
 from aiosync.pipeline.report import SyncProgress, SyncReport
+from aiosync.planes.shared_tensors import SharedTensors, share_tensors
 from aiosync.trainer.sender import SenderConfig, WeightSender
 
 __version__ = "0.3.0"
@@ -44,6 +45,7 @@ __all__ = [
     "ReceiverConfig",
     "RejectedError",
     "SenderConfig",
+    "SharedTensors",
     "SyncFailure",
     "SyncProgress",
     "SyncReport",
@@ -54,4 +56,5 @@ __all__ = [
     "WeightSender",
     "WeightSink",
     "__version__",
+    "share_tensors",
 ]

@@ -40,6 +40,8 @@ from aiosync.core.wire import (
     CudaIpcHandle,
     CudaIpcPlaneSpec,
     CudaLegacyPlaneSpec,
+    CudaRegion,
+    DirectPlaneSpec,
     GatheredPlaneSpec,
     Goodbye,
     Hello,
@@ -109,6 +111,8 @@ SAMPLES: list[Any] = [
             [ShmPlaneSpec([ShmHandle("a", 1024)]), CudaLegacyPlaneSpec(0, 2048, [b"h" * 64])]
         ),
     ),
+    Hello(2, 2, "s", "t", DirectPlaneSpec(ShmPlaneSpec([ShmHandle("a", 1024)]), 1 << 30)),
+    Hello(2, 2, "s", "t", DirectPlaneSpec(CudaLegacyPlaneSpec(0, 2048, [b"h" * 64]), 9, b"e" * 64)),
     Ready("session-1", PROTOCOL_MAX, None),
     Ready("session-1", 2, 0),
     Ready("session-1", 2, 2**62),
@@ -119,6 +123,7 @@ SAMPLES: list[Any] = [
     Bucket(0, 1, 0, 0),
     Bucket(7, 3, 1, 2048, slots=SLOTS),
     Bucket(7, 3, 1, 2048, specs=SPECS),
+    Bucket(7, 4, 2, 2048, slots=SLOTS, regions=[ShmHandle("a", 1024), CudaRegion(b"h" * 64, 9)]),
     Complete(12, 3, 11, 400),
     Complete(0, 1, 0, 0),
     Commit(12, 5),
@@ -181,7 +186,7 @@ def test_every_message_type_is_sampled() -> None:
     }
     planes = {type(m.plane) for m in SAMPLES if isinstance(m, Hello)}
     kinds = {ShmPlaneSpec, CudaIpcPlaneSpec, CudaLegacyPlaneSpec, CollectivePlaneSpec}
-    kinds.add(GatheredPlaneSpec)
+    kinds |= {GatheredPlaneSpec, DirectPlaneSpec}
     assert planes == set(typing.get_args(wire.PlaneSpec)) == kinds
     handles = {
         type(h)

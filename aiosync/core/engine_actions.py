@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiosync.core.layout import TensorSpec
-from aiosync.core.wire import Message, PlaneSpec
+from aiosync.core.wire import Message, PlaneSpec, Region
 
 Peer = Hashable
 """Whatever the IO layer uses to tell senders apart (a channel's name)."""
@@ -39,6 +39,7 @@ class ClosePlane:
 class Apply:
     """Hand the sink ``specs`` read from ``peer``'s buffer; report with ``applied``.
 
+    ``regions``: the bucket's trainer memory (direct mode), unchecked: the plane checks them.
     ``digest``/``held``: the bucket's content digest, and whether the engine's own store
     (not the buffer) holds its bytes (:mod:`aiosync.engine.held`).
     """
@@ -49,6 +50,7 @@ class Apply:
     buffer: int
     used: int
     specs: list[TensorSpec]
+    regions: list[Region] = field(default_factory=list)
     digest: bytes | None = None
     held: bool = False
 

@@ -230,7 +230,7 @@ class EngineSession:
             return self._refuse(peer, session, bucket.seq, exc)
         if not self.staged:
             self.servable = False
-        where = (bucket.buffer, bucket.used, specs, bucket.digest, bucket.held)
+        where = (bucket.buffer, bucket.used, specs, bucket.regions, bucket.digest, bucket.held)
         return [Apply(peer, bucket.version, bucket.seq, *where)]
 
     def applied(self, peer: Peer, seq: int, now: float) -> list[Action]:

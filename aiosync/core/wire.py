@@ -138,8 +138,44 @@ class GatheredPlaneSpec(msgspec.Struct, frozen=True, tag="gathered"):
         return [min(sizes) for sizes in zip(*(part.sizes for part in self.parts), strict=False)]
 
 
+class CudaRegion(msgspec.Struct, frozen=True, tag="cuda_region"):
+    """A trainer's own ``cudaMalloc`` allocation of ``size`` bytes: its legacy IPC handle."""
+
+    handle: bytes
+    size: int
+
+
+Region = ShmHandle | CudaRegion
+"""A block of trainer memory an engine reads tensors from directly (direct mode)."""
+
+
+class DirectPlaneSpec(msgspec.Struct, frozen=True, tag="direct"):
+    """A ring of buffers plus direct reads of the trainer's own memory (direct mode).
+
+    Buffers ``0 .. n-1`` are ``ring``'s; buffer ``n`` is the direct one: a bucket there
+    names its regions (``Bucket.regions``, at most ``direct_bytes`` in all) and its offsets
+    run through them in order, each region taking its size rounded up to the alignment.
+    ``start_event`` (CUDA): an IPC event the trainer records on its stream as a version
+    starts; the engine's reads of its memory wait on it. See :mod:`aiosync.planes.direct`.
+    """
+
+    ring: ShmPlaneSpec | CudaLegacyPlaneSpec
+    direct_bytes: int
+    start_event: bytes = b""
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each buffer: the ring's, then the most a direct bucket may span."""
+        return [*self.ring.sizes, self.direct_bytes]
+
+
 PlaneSpec = (
-    ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec | CollectivePlaneSpec | GatheredPlaneSpec
+    ShmPlaneSpec
+    | CudaIpcPlaneSpec
+    | CudaLegacyPlaneSpec
+    | CollectivePlaneSpec
+    | GatheredPlaneSpec
+    | DirectPlaneSpec
 )
 """How an engine reaches the bytes of buckets; new planes add a tagged member here."""
 
@@ -196,9 +232,10 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     """Sender -> engine: buffer ``buffer`` holds ``used`` bytes of ``version``.
 
     With a manifest, ``slots`` refer to its entries; without one, ``specs`` name each tensor.
-    ``digest``: the SHA-256 of the bucket's bytes (the engine may keep them by it, to resume
-    an interrupted version); ``held``: the engine holds these bytes already (it said so),
-    so it reads them from its own store, not from ``buffer``.
+    ``regions`` (direct mode, buffer past the ring): the trainer memory the offsets run
+    through, in order. ``digest``: the SHA-256 of the bucket's bytes (the engine may keep
+    them by it, to resume an interrupted version); ``held``: the engine holds these bytes
+    already (it said so), so it reads them from its own store, not from ``buffer``.
     """
 
     version: int
@@ -207,6 +244,7 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     used: int
     slots: list[Slot] = []
     specs: list[TensorSpec] = []
+    regions: list[Region] = []
     digest: bytes | None = None
     held: bool = False
 

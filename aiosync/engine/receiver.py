@@ -50,7 +50,7 @@ from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
 from aiosync.engine.sinks import WeightSink
 from aiosync.engine.triage import apply_error, walks_tensors
-from aiosync.planes import ReceiverPlane, open_receiver_plane, view_bucket
+from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
 from aiosync.planes.cuda_order import ordered_apply, with_plane_events
 from aiosync.runtime import require_asyncio
 
@@ -381,8 +381,7 @@ class WeightReceiver:
         A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
         """
         with ordered_apply(plane, action.buffer):
-            parts = [(view_bucket(plane, action.buffer, action.used, action.specs), action.specs)]
-            for bucket, specs in held_or_parts(self.held, parts, action):
+            for bucket, specs in held_or_parts(self.held, view_parts(plane, action), action):
                 self.sink.apply_bucket(bucket, specs)
 
     async def _committed_hook(self, version: int) -> None:

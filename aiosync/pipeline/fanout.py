@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream as Receiving
 from anyio.streams.memory import MemoryObjectSendStream as Sending
 
@@ -42,6 +43,7 @@ class _Packed:
     plan: BucketPlan
     tensors: int = 0  # whole tensors and last chunks (counted in the packing thread)
     nbytes: int = 0  # tensor bytes carried
+    direct: bool = False  # read by engines in the trainer's memory (direct mode)
 
 
 class BucketFanout:
@@ -73,6 +75,8 @@ class BucketFanout:
         self._entries: dict[str, int] | None = None  # built in the packing thread
         self.sent_buckets = self.sent_tensors = 0
         self.acked = SyncProgress(version, 0, 0, 0)
+        self.direct_bytes = 0  # of ``acked``, read in place (direct mode)
+        self._direct_sent = False  # then the trainer's tensors are read until the commit
 
     async def run(self, plans: Iterator[BucketPlan], begin: bytes | None) -> None:
         """Stream every planned bucket to every live engine (opening with ``begin`` if given)."""
@@ -117,10 +121,11 @@ class BucketFanout:
                     self._pack_next, plans, index, limiter=self._limiter
                 )
                 if packed is None:
-                    if self.packed is not None:  # the trainer may change its tensors again
-                        self.packed.set()
+                    if self.packed is not None and not self._direct_sent:
+                        self.packed.set()  # the trainer may change its tensors again
                     return
-                await self.plane.publish(index, packed.plan.used)
+                if not packed.direct:
+                    await self.plane.publish(index, packed.plan.used)
                 live = self.vote.live
                 ledger.hold(index, live, packed)
                 for name in live:
@@ -144,6 +149,7 @@ class BucketFanout:
             raise MismatchError(f"cannot read the tensors: {exc}", version=self.version) from exc
         if plan is None:
             return None
+        ring = index
         try:
             self.plane.pack(index, plan)
         except MismatchError as exc:  # names the tensor that failed
@@ -162,6 +168,10 @@ class BucketFanout:
         tensors = plan.whole_tensors
         self.sent_tensors += tensors
         seq = self.sent_buckets
+        regions = getattr(plan, "regions", None)  # a direct plan: no ring buffer used
+        if regions:
+            self._direct_sent = True
+            index = plan.buffer  # type: ignore[attr-defined]
         if self.manifest is not None and len(plan.entries) == len(plan.specs):
             # the planner read the manifest with the tensors: entries known, no lookups;
             # a plan reused from the last version brings the slots made for it then
@@ -174,7 +184,10 @@ class BucketFanout:
             bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
         else:
             bucket = Bucket(self.version, seq, index, plan.used, specs=plan.specs)
-        return _Packed(seq, index, encode(bucket), plan, tensors, plan.payload_bytes)
+        if regions:
+            bucket = msgspec.structs.replace(bucket, regions=regions)
+        payload = encode(bucket)
+        return _Packed(seq, ring, payload, plan, tensors, plan.payload_bytes, bool(regions))
 
     def _slot(self, spec: TensorSpec) -> Slot:
         if self._entries is None:
@@ -250,7 +263,8 @@ class BucketFanout:
                     raise link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
                 if packed.index == BEGIN:
                     continue
-                if self._consumed is not None:  # reuse waits for the engine's CUDA event
+                if self._consumed is not None and not packed.direct:  # reuse waits for the
+                    # engine's CUDA event
                     self._consumed(packed.index, link.events)
                 done = ledger.release(packed.index, link.name)
                 if done is not None:
@@ -260,6 +274,8 @@ class BucketFanout:
     def _bucket_done(self, packed: _Packed) -> None:
         """Count an acked bucket (from figures the packing thread took: no per-tensor work)."""
         done = self.acked
+        if packed.direct:
+            self.direct_bytes += packed.nbytes
         self.acked = SyncProgress(
             self.version,
             done.buckets + 1,

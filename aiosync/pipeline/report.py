@@ -24,7 +24,12 @@ ProgressCallback = Callable[[SyncProgress], None]
 
 @dataclass(frozen=True)
 class SyncReport:
-    """What one sync moved, how long it took end to end, and how each engine ended."""
+    """What one sync moved, how long it took end to end, and how each engine ended.
+
+    Direct mode: ``direct_bytes`` of ``bytes`` were read by the engines in the trainer's
+    memory (the rest was packed, :attr:`packed_bytes`); ``direct_note`` says why tensors
+    asked to go direct were packed instead (empty if none were).
+    """
 
     version: int
     buckets: int
@@ -32,6 +37,13 @@ class SyncReport:
     bytes: int
     seconds: float
     engines: tuple[EngineOutcome, ...] = ()
+    direct_bytes: int = 0
+    direct_note: str = ""
+
+    @property
+    def packed_bytes(self) -> int:
+        """Tensor bytes that went through the buffers (all of them outside direct mode)."""
+        return self.bytes - self.direct_bytes
 
     @property
     def gbps(self) -> float:

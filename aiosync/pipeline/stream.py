@@ -244,4 +244,7 @@ class StreamRun:
         order = list(self.links)
         engines = tuple(sorted(self._outcomes.values(), key=lambda o: order.index(o.engine)))
         seconds = time.perf_counter() - self._started
-        return SyncReport(self.version, done.buckets, done.tensors, done.bytes, seconds, engines)
+        direct = self._fanout.direct_bytes if self._fanout else 0
+        return SyncReport(
+            self.version, done.buckets, done.tensors, done.bytes, seconds, engines, direct
+        )

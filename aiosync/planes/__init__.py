@@ -10,12 +10,15 @@ from collections.abc import Sequence
 
 import torch
 
+from aiosync.core.engine_actions import Apply
+from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import (
     CollectivePlaneSpec,
     CudaIpcPlaneSpec,
     CudaLegacyPlaneSpec,
+    DirectPlaneSpec,
     GatheredPlaneSpec,
     PlaneSpec,
     ShmPlaneSpec,
@@ -35,6 +38,22 @@ def view_bucket(
     if expect is not None:
         expect(index, specs)
     return plane.view(index, used)
+
+
+def view_parts(plane: ReceiverPlane, action: Apply) -> list[tuple[torch.Tensor, list[TensorSpec]]]:
+    """An applied bucket as (flat bytes, specs) pairs for the sink: one, or one per region.
+
+    A direct plane (:mod:`aiosync.planes.direct`) checks and opens the bucket's regions;
+    any other plane refuses a bucket that names regions.
+    """
+    parts = getattr(plane, "parts", None)
+    if parts is not None:
+        found: list[tuple[torch.Tensor, list[TensorSpec]]]
+        found = parts(action.buffer, action.used, action.specs, action.regions, action.version)
+        return found
+    if action.regions:
+        raise ProtocolError("a bucket names trainer memory, but the session is not in direct mode")
+    return [(view_bucket(plane, action.buffer, action.used, action.specs), action.specs)]
 
 
 def create_sender_plane(
@@ -94,6 +113,10 @@ def open_receiver_plane(
         from aiosync.planes.collective_receiver import CollectiveReceiverPlane
 
         return CollectiveReceiverPlane(spec, device, limits)
+    if isinstance(spec, DirectPlaneSpec):
+        from aiosync.planes.direct import DirectReceiverPlane
+
+        return DirectReceiverPlane(spec, device, limits)
     if isinstance(spec, GatheredPlaneSpec):
         from aiosync.planes.gathered import GatheredReceiverPlane
 
@@ -108,4 +131,5 @@ __all__ = [
     "create_sender_plane",
     "open_receiver_plane",
     "view_bucket",
+    "view_parts",
 ]

@@ -19,9 +19,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -42,7 +42,9 @@ from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
 from aiosync.pipeline.stream import StreamRun
 from aiosync.planes import SenderPlane, create_sender_plane
+from aiosync.planes.direct import DirectSenderPlane
 from aiosync.runtime import require_asyncio, unwrap_group
+from aiosync.trainer.direct import DirectReader
 from aiosync.trainer.snapshot import snapshot_check
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class SenderConfig:
     ``policy`` is the default commit policy, ``"all"`` or ``"available"``.
     ``check_snapshot`` (a debugging aid) samples the tensors when a send starts and again
     once they are packed, and fails the version if the trainer changed them in between.
+    ``direct`` (direct mode, :mod:`aiosync.trainer.direct`): engines read persistent
+    tensors in the trainer's memory (``True``: parameters and tensors placed by
+    :func:`aiosync.share_tensors`; or a collection of names) and the rest is packed.
     """
 
     buffer_bytes: int = 128 * MiB
@@ -82,8 +87,11 @@ class SenderConfig:
     name: str = ""
     policy: Policy | str = Policy.ALL
     check_snapshot: bool = False
+    direct: bool | Collection[str] = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.direct, bool):
+            object.__setattr__(self, "direct", frozenset(self.direct))
         if self.num_buffers < 1:
             raise ValueError("num_buffers must be at least 1")
         if self.buffer_bytes < ALIGNMENT:
@@ -125,6 +133,7 @@ class WeightSender:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._sending = False
         self._layouts = LayoutMemory()  # the last version's layout, reused if it still fits
+        self._direct: DirectReader | None = None  # direct mode's reader, with its plane
 
     @property
     def engines(self) -> list[str]:
@@ -174,7 +183,12 @@ class WeightSender:
         A sender of another kind of plane (a broadcast: :class:`~aiosync.trainer.collective.
         CollectiveSender`) overrides this; the rest of the pipeline is the same.
         """
-        return create_sender_plane(device, count, capacity, ordered=True)
+        plane = create_sender_plane(device, count, capacity, ordered=True)
+        if self.config.direct is False:
+            return plane
+        direct = DirectSenderPlane(plane, device)
+        self._direct = DirectReader(direct, self.config.direct)  # type: ignore[arg-type]
+        return direct
 
     async def __aexit__(
         self,
@@ -322,7 +336,7 @@ class WeightSender:
         started = time.perf_counter()  # the report's seconds cover reading the tensors too
         most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
         read = await anyio.to_thread.run_sync(
-            read_source,
+            read_source if self._direct is None else self._direct.read,
             source,
             manifest,
             self._capacity,
@@ -353,6 +367,8 @@ class WeightSender:
             if exc is group:
                 raise
             raise exc from None
+        if self._direct is not None:
+            report = replace(report, direct_note=self._direct.note)
         log.info(
             "version %d: %d tensors, %.1f MB in %.3fs (%.2f GB/s) to %s",
             report.version,

@@ -1,0 +1,131 @@
+"""Direct mode against packed mode and the copy floors on one GPU, in one run.
+
+Run as ``python -m aiosync.bench.cuda_direct``.
+
+An engine process (:mod:`aiosync.bench.cuda_dropin`'s ``engine`` role) holds a bf16
+Llama-shaped model of ``--size-mb`` on ``cuda:0``; this process holds the same shapes as
+``nn.Parameter`` objects and streams them with :class:`~aiosync.WeightSender` through
+2 x ``--buffer-mb`` buffers, ``--repeats`` times each after a warm-up: packed (the default),
+direct (``SenderConfig(direct=True)``: the engine copies out of this process's parameters),
+mixed (direct, with every fourth tensor handed over as a plain tensor, so packed) and
+flat (direct, the parameters being views of one allocation, as a training framework's
+parameter buffer makes them: one region instead of one per allocation).
+It measures the floors of the same run (one flat device copy of the model's bytes; a copy
+of every tensor into buffers and back), checks the engine's model against the trainer's at
+the end, and prints JSON: times, byte splits, ratios to the floors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from aiosync.bench.cuda_dropin import _digest, _floors
+from aiosync.bench.model import synthetic_state_dict
+
+MiB = 1 << 20
+
+
+def _engine(size_mb: int) -> subprocess.Popen[str]:
+    from aiosync.runtime import child_env
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "aiosync.bench.cuda_dropin", "engine", "--size-mb", str(size_mb)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+
+
+def _flat(model: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The same values as parameters that are views of one allocation (a param buffer)."""
+    sizes = [-(-p.nbytes // 512) * 512 for p in model.values()]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda:0")
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for (name, p), size in zip(model.items(), sizes, strict=True):
+        view = flat[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
+        view.copy_(p.detach())
+        out[name] = torch.nn.Parameter(view, requires_grad=False)
+        offset += size
+    return out
+
+
+def _sources(model: dict[str, torch.nn.Parameter]) -> dict[str, dict[str, torch.Tensor]]:
+    mixed: dict[str, torch.Tensor] = {
+        n: (p.detach() if i % 4 == 0 else p) for i, (n, p) in enumerate(model.items())
+    }
+    return {"packed": dict(model), "direct": dict(model), "mixed": mixed, "flat": _flat(model)}
+
+
+def main() -> None:
+    """Parse the command line, run every mode against one engine, print JSON."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size-mb", type=int, default=15316)
+    parser.add_argument("--buffer-mb", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    from aiosync import SenderConfig, WeightSender
+    from aiosync.runtime import run
+
+    plain = synthetic_state_dict(args.size_mb * MiB, torch.bfloat16, 1, "cuda:0")
+    model = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in plain.items()}
+    proc = _engine(args.size_mb)
+    assert proc.stdout is not None
+    assert proc.stdin is not None
+    try:
+        endpoint = json.loads(proc.stdout.readline())["endpoint"]
+        out: dict[str, Any] = {"bytes": sum(t.nbytes for t in model.values())}
+        out["tensors"] = len(model)
+        out.update(_floors(plain, args.buffer_mb * MiB))
+
+        async def one(mode: str, source: dict[str, torch.Tensor]) -> None:
+            config = SenderConfig(
+                buffer_bytes=args.buffer_mb * MiB, num_buffers=2, direct=mode != "packed"
+            )
+            times = []
+            async with WeightSender(endpoint, device="cuda:0", config=config) as sender:
+                first = time.perf_counter()
+                report = await sender.send(source)
+                out[f"{mode}_first_s"] = time.perf_counter() - first
+                for _ in range(args.repeats):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    report = await sender.send(source)
+                    times.append(time.perf_counter() - start)
+            out[f"{mode}_s"] = times
+            out[f"{mode}_median_s"] = statistics.median(times)
+            out[f"{mode}_direct_bytes"] = report.direct_bytes
+            out[f"{mode}_packed_bytes"] = report.packed_bytes
+            out[f"{mode}_buckets"] = report.buckets
+            out[f"{mode}_note"] = report.direct_note
+
+        async def every() -> None:
+            for mode, source in _sources(model).items():
+                await one(mode, source)
+
+        run(every)
+        proc.stdin.write("digest\n")
+        proc.stdin.flush()
+        out["bit_exact"] = json.loads(proc.stdout.readline())["digest"] == _digest(plain)
+        out["direct_over_one_copy"] = out["direct_median_s"] / out["one_copy_s"]
+        out["packed_over_two_copies"] = out["packed_median_s"] / out["two_copies_s"]
+        out["mixed_over_one_copy"] = out["mixed_median_s"] / out["one_copy_s"]
+        out["flat_over_one_copy"] = out["flat_median_s"] / out["one_copy_s"]
+        print(json.dumps(out), flush=True)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Where a trainer's tensor lives, as a region an engine can read directly (direct mode).
+
+A region is one block of trainer memory exported once: on CUDA the ``cudaMalloc``
+allocation that holds the tensor (found with the driver's pointer attributes, exported with
+a legacy ``cudaIpcGetMemHandle`` handle); on the CPU the shared segment
+:func:`~aiosync.planes.shared_tensors.share_tensors` placed it in. :meth:`RegionFinder.locate`
+answers a :class:`Spot` (region, key, offset) or, for a tensor that must be packed, the
+reason why, which the sender's report sums up.
+
+CUDA allocations are cached by the driver's buffer id (unique per allocation in the
+process): a tensor is looked up each version, so a tensor moved to new memory is found in
+its new allocation, exported then, and an allocation freed and made again at the same
+address has a new id and a new export. Memory from expandable segments (``cuMemCreate``)
+has no legacy handle: such tensors are packed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from aiosync.core.layout import ALIGNMENT, is_plain
+from aiosync.core.wire import CudaRegion, Region
+from aiosync.planes.shared_tensors import find_shared
+
+# CUpointer_attribute values (cuda.h)
+_ATTR_BUFFER_ID = 7
+_ATTR_LEGACY_IPC = 10
+_ATTR_RANGE_START = 11
+_ATTR_RANGE_SIZE = 12
+
+NOT_EXPORTABLE = "its memory has no legacy CUDA IPC handle (expandable segments?)"
+"""Why a CUDA tensor is packed when its allocation cannot be exported (the report's note)."""
+MISALIGNED = f"not {ALIGNMENT}-byte aligned in its allocation"
+NOT_PLAIN = "not contiguous"
+
+
+@dataclass(frozen=True)
+class Spot:
+    """A tensor's place: ``region`` (as engines get it), its ``key`` here, the offset."""
+
+    region: Region
+    key: object
+    offset: int
+
+
+_driver: ctypes.CDLL | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> ctypes.CDLL:
+    """The CUDA driver library (the one torch loaded)."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuPointerGetAttributes.argtypes = [
+                ctypes.c_uint,
+                ctypes.POINTER(ctypes.c_int),
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_uint64,
+            ]
+            lib.cuMemGetAddressRange_v2.argtypes = [
+                ctypes.POINTER(ctypes.c_uint64),
+                ctypes.POINTER(ctypes.c_size_t),
+                ctypes.c_uint64,
+            ]
+            _driver = lib
+        return _driver
+
+
+def address_range(pointer: int) -> tuple[int, int] | None:
+    """The base and size of the allocation (or mapping) holding device ``pointer``."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    code = driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer)
+    return None if code != 0 else (base.value, size.value)
+
+
+class _Scratch:
+    """The ctypes arguments of one attribute query, made once (a finder's, one thread)."""
+
+    def __init__(self) -> None:
+        self.values = [ctypes.c_uint64(0) for _ in range(4)]
+        self.kinds = (ctypes.c_int * 4)(
+            _ATTR_RANGE_START, _ATTR_RANGE_SIZE, _ATTR_BUFFER_ID, _ATTR_LEGACY_IPC
+        )
+        self.data = (ctypes.c_void_p * 4)(*(ctypes.addressof(v) for v in self.values))
+
+
+def _attributes(pointer: int, scratch: _Scratch) -> tuple[int, int, int, bool] | None:
+    """(base, size, buffer id, legacy-IPC capable) of the allocation holding ``pointer``."""
+    values = scratch.values
+    for value in values:
+        value.value = 0
+    if driver().cuPointerGetAttributes(4, scratch.kinds, scratch.data, pointer) != 0:
+        return None
+    return values[0].value, values[1].value, values[2].value, bool(values[3].value & 0xFF)
+
+
+class RegionFinder:
+    """Finds tensors' regions on ``device`` (a trainer's, for its sender's direct plane)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._exports: dict[int, CudaRegion | None] = {}  # buffer id -> region (None: refused)
+        self._scratch = _Scratch()
+
+    def locate(self, tensor: torch.Tensor) -> Spot | str:
+        """Where ``tensor`` lies, or why it cannot be read in place (it is then packed)."""
+        if tensor.device != self.device:
+            return f"on {tensor.device}, not {self.device}"
+        if not is_plain(tensor):
+            return NOT_PLAIN
+        if tensor.device.type == "cpu":
+            spot = find_shared(tensor)
+            if spot is None:
+                return "not in a shared segment (aiosync.share_tensors)"
+            if spot.offset % ALIGNMENT:
+                return MISALIGNED
+            return Spot(spot.handle, spot.handle.name, spot.offset)
+        return self._locate_cuda(tensor)
+
+    def _locate_cuda(self, tensor: torch.Tensor) -> Spot | str:
+        pointer = tensor.data_ptr()
+        found = _attributes(pointer, self._scratch)
+        if found is None:
+            return NOT_EXPORTABLE
+        base, size, buffer_id, capable = found
+        if buffer_id not in self._exports:
+            self._exports[buffer_id] = _export(base, size) if capable else None
+        region = self._exports[buffer_id]
+        if region is None:
+            return NOT_EXPORTABLE
+        offset = pointer - base
+        if offset % ALIGNMENT:
+            return MISALIGNED
+        if offset + tensor.nbytes > region.size:
+            return "runs past its allocation"
+        return Spot(region, buffer_id, offset)
+
+    def still(self, tensor: torch.Tensor, spot: Spot) -> bool:
+        """Whether ``tensor`` (found at ``spot`` before, same address) is still in that region."""
+        if tensor.device.type == "cpu":
+            found = find_shared(tensor)
+            return found is not None and found.handle == spot.region
+        found_cuda = _attributes(tensor.data_ptr(), self._scratch)
+        return found_cuda is not None and found_cuda[2] == spot.key
+
+    def clear(self) -> None:
+        """Forget every export (a closing sender)."""
+        self._exports.clear()
+
+
+def _export(base: int, size: int) -> CudaRegion | None:
+    """The legacy IPC handle of the allocation at ``base``; None where CUDA refuses one."""
+    from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, _IpcHandle, runtime
+
+    handle = _IpcHandle()
+    lib = runtime()
+    if lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)) != 0:
+        lib.cudaGetLastError()  # clear it: torch's next launch check would raise it
+        return None
+    raw = ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+    return CudaRegion(raw, size)

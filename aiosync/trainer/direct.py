@@ -1,0 +1,248 @@
+"""How a sender in direct mode splits a version: tensors read in place, and the rest packed.
+
+A tensor goes direct when it is persistent and its memory is a region engines can open
+(:mod:`aiosync.planes.direct_regions`). Persistent: with ``direct=True``, every
+``nn.Parameter`` and every tensor in a segment of :func:`aiosync.share_tensors`; with a
+collection of names, exactly those names. Everything else (casts, gathered tensors,
+tensors in memory without a legacy handle) is packed in the same version, and
+:attr:`DirectReader.note` says how much was packed that was asked to go direct, and why.
+
+Direct buckets come first (engines copy them while the trainer packs the rest); each spans
+at most :data:`~aiosync.planes.direct.MAX_REGIONS_PER_BUCKET` regions (fewer by default,
+:data:`REGIONS_PER_BUCKET`) and the engine's tensor bound.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import ItemsView, Mapping, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+
+from aiosync.core.layout import _DTYPE_NAMES, TensorSpec, calculate_aligned_size
+from aiosync.core.manifest import TensorMeta, module_tensors, unique_storage, visible_pairs
+from aiosync.core.planning import Planner, VersionSource, read_source
+from aiosync.core.wire import Region
+from aiosync.planes.direct import DIRECT_BYTES, DirectPlan, DirectSenderPlane
+from aiosync.planes.direct_regions import RegionFinder, Spot
+from aiosync.planes.shared_tensors import find_shared
+
+REGIONS_PER_BUCKET = 64
+"""Regions a sender puts in one direct bucket."""
+
+
+class DirectReader:
+    """Reads versions for a sender's :class:`DirectSenderPlane` (a worker thread's work).
+
+    ``chosen``: True for parameters and shared-segment tensors, or the names to read in
+    place. :attr:`note` and :attr:`direct_bytes` describe the last version read.
+    """
+
+    def __init__(self, plane: DirectSenderPlane, chosen: bool | frozenset[str]) -> None:
+        self.plane = plane
+        self.chosen = chosen
+        self.note = ""
+        self.direct_bytes = 0
+        self._kept: _Kept | None = None  # the last version's split, reused while it holds
+
+    def _persistent(self, name: str, tensor: torch.Tensor) -> bool:
+        if self.chosen is True:
+            return isinstance(tensor, torch.nn.Parameter) or find_shared(tensor) is not None
+        return self.chosen is not False and name in self.chosen
+
+    def read(
+        self,
+        source: Any,
+        given: Sequence[TensorMeta] | Mapping[str, torch.Tensor] | None,
+        capacity: int,
+        max_items: int,
+        planner: Planner | None = None,
+    ) -> VersionSource:
+        """As :func:`~aiosync.core.planning.read_source`, with persistent tensors direct."""
+        self.note, self.direct_bytes = "", 0
+        if isinstance(source, torch.nn.Module):
+            source = module_tensors(source)
+        pairs = visible_pairs(source)
+        if given is not None or pairs is None:
+            self.note = "direct mode needs a module, a mapping or a list (no manifest=): packed"
+            return read_source(source, given, capacity, max_items, planner)
+        if isinstance(source, Mapping | ItemsView):
+            pairs = unique_storage(pairs)
+        chosen: list[tuple[str, torch.Tensor]] = []
+        packed: list[tuple[str, Any]] = []
+        for name, tensor in pairs:
+            if isinstance(tensor, torch.Tensor) and self._persistent(name, tensor):
+                chosen.append((name, tensor))
+            else:
+                packed.append((name, tensor))
+        kept = self._kept
+        if kept is None or not kept.matches(chosen, self.plane.finder):
+            kept = self._kept = self._split(chosen)
+        packed.extend(chosen[i] for i in kept.packed)
+        self.note = kept.note
+        rest = read_source(packed, None, capacity, max_items, planner)
+        if not kept.direct:
+            return rest
+        first = len(rest.manifest) if rest.manifest is not None else None
+        if kept.plans is None or kept.first != first:
+            kept.first = first
+            kept.plans = _plans(kept.direct, first, max_items, self.plane.count)
+        plans, metas, moved = kept.plans
+        self.direct_bytes = moved
+        manifest = None if rest.manifest is None else [*rest.manifest, *metas]
+        every = [*pairs] if rest.pairs is not None else None
+        return VersionSource(every, manifest, chain(plans, rest.plans))
+
+    def _split(self, chosen: list[tuple[str, torch.Tensor]]) -> _Kept:
+        """Locate every chosen tensor: which go direct, which are packed, and why."""
+        direct: list[tuple[str, torch.Tensor, Spot]] = []
+        refused: Counter[str] = Counter()
+        refused_bytes = 0
+        at: dict[int, int] = {}
+        packed: list[int] = []
+        for i, (name, tensor) in enumerate(chosen):
+            spot = self._locate(tensor)
+            if isinstance(spot, str):
+                refused[spot] += 1
+                refused_bytes += tensor.nbytes
+                packed.append(i)
+            else:
+                at[id(tensor)] = i
+                direct.append((name, tensor, spot))
+        overlapping: list[tuple[str, Any]] = []
+        direct = _distinct(direct, overlapping)
+        packed.extend(at[id(tensor)] for _, tensor in overlapping)
+        note = ""
+        if refused:
+            why = "; ".join(f"{reason} ({n})" for reason, n in refused.most_common())
+            note = f"{sum(refused.values())} tensors ({refused_bytes} bytes) packed: {why}"
+        return _Kept(chosen, direct, packed, note)
+
+    def _locate(self, tensor: torch.Tensor) -> Spot | str:
+        if _DTYPE_NAMES.get(tensor.dtype) is None:
+            return "of a dtype that cannot be streamed"
+        if tensor.nbytes == 0:
+            return "empty"
+        spot = self.plane.finder.locate(tensor)
+        if not isinstance(spot, str) and calculate_aligned_size(spot.region.size) > DIRECT_BYTES:
+            return "in a region larger than a direct bucket"
+        return spot
+
+
+class _Kept:
+    """One version's split of its chosen tensors, reused while nothing it rests on changed.
+
+    That is: the same tensor objects at the same addresses, dtypes and shapes, and each
+    region still the same allocation (or open segment). It holds the tensors (so an id
+    seen again is the same object) until the next change.
+    """
+
+    def __init__(
+        self,
+        chosen: list[tuple[str, torch.Tensor]],
+        direct: list[tuple[str, torch.Tensor, Spot]],
+        packed: list[int],
+        note: str,
+    ) -> None:
+        self.chosen = chosen
+        self.names = [name for name, _ in chosen]
+        self.ids = [id(t) for _, t in chosen]
+        self.addresses = [t.data_ptr() for _, t in chosen]
+        self.dtypes = [t.dtype for _, t in chosen]
+        self.shapes = [t.shape for _, t in chosen]
+        self.direct = direct
+        self.packed = packed
+        self.note = note
+        self.first: int | None = None
+        self.plans: tuple[list[DirectPlan], list[TensorMeta], int] | None = None
+        probes: dict[object, tuple[torch.Tensor, Spot]] = {}
+        for _, tensor, spot in direct:
+            probes.setdefault(spot.key, (tensor, spot))
+        self.probes = list(probes.values())  # one tensor per region
+
+    def matches(self, chosen: list[tuple[str, torch.Tensor]], finder: RegionFinder) -> bool:
+        """Whether ``chosen`` is what was split (one comprehension per property)."""
+        tensors = [t for _, t in chosen]
+        return (
+            len(chosen) == len(self.ids)
+            and [id(t) for t in tensors] == self.ids
+            and [name for name, _ in chosen] == self.names
+            and [t.data_ptr() for t in tensors] == self.addresses
+            and [t.dtype for t in tensors] == self.dtypes
+            and all(t.shape == shape for t, shape in zip(tensors, self.shapes, strict=True))
+            and all(finder.still(tensor, spot) for tensor, spot in self.probes)
+        )
+
+
+def _distinct(
+    direct: list[tuple[str, torch.Tensor, Spot]], packed: list[tuple[str, Any]]
+) -> list[tuple[str, torch.Tensor, Spot]]:
+    """``direct`` by region and address; a tensor overlapping an earlier one goes to ``packed``.
+
+    (A module's own tensors never overlap: ``unique_storage`` made tied ones one.)
+    """
+    groups: dict[object, list[tuple[str, torch.Tensor, Spot]]] = {}
+    for item in direct:
+        groups.setdefault(item[2].key, []).append(item)
+    out: list[tuple[str, torch.Tensor, Spot]] = []
+    for group in groups.values():
+        group.sort(key=lambda item: item[2].offset)
+        end = 0
+        for name, tensor, spot in group:
+            if spot.offset < end:
+                packed.append((name, tensor))
+                continue
+            end = spot.offset + tensor.nbytes
+            out.append((name, tensor, spot))
+    return out
+
+
+def _plans(
+    direct: list[tuple[str, torch.Tensor, Spot]],
+    first: int | None,
+    max_items: int,
+    buffer: int,
+) -> tuple[list[DirectPlan], list[TensorMeta], int]:
+    """Direct buckets of ``direct``, their manifest entries and their bytes.
+
+    ``direct`` is distinct and by region and address; entries are numbered from ``first``
+    (None: no manifest). A region with more tensors than a bucket may hold spans several buckets.
+    """
+    by_region: dict[object, tuple[Region, list[tuple[str, torch.Tensor, int]]]] = {}
+    for name, tensor, spot in direct:
+        by_region.setdefault(spot.key, (spot.region, []))[1].append((name, tensor, spot.offset))
+    plans: list[DirectPlan] = []
+    metas: list[TensorMeta] = []
+    plan = DirectPlan(whole=0, payload=0, buffer=buffer)
+    moved = 0
+    for region, items in by_region.values():
+        aligned = calculate_aligned_size(region.size)
+        for at in range(0, len(items), max_items):
+            chunk = items[at : at + max_items]
+            if plan.regions and (
+                len(plan.regions) >= REGIONS_PER_BUCKET
+                or plan.used + aligned > DIRECT_BYTES
+                or len(plan.specs) + len(chunk) > max_items
+            ):
+                plans.append(plan)
+                plan = DirectPlan(whole=0, payload=0, buffer=buffer)
+            start = plan.used
+            plan.regions.append(region)
+            for name, tensor, offset in chunk:
+                nbytes = tensor.nbytes
+                meta = TensorMeta(name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
+                if first is not None:
+                    plan.entries.append(first + len(metas))
+                metas.append(meta)
+                plan.tensors.append(tensor)
+                spec = TensorSpec(meta.name, meta.dtype, meta.shape, start + offset, nbytes)
+                plan.specs.append(spec)
+                plan.whole += 1
+                plan.payload += nbytes
+                moved += nbytes
+            plan.used = start + aligned
+    if plan.regions:
+        plans.append(plan)
+    return plans, metas, moved
