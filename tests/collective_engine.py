@@ -5,8 +5,9 @@ trainer's hello makes it join the broadcast group. Prints JSON lines: ``ready`` 
 ``applying`` (version, after each bucket arrived), ``committed`` (version, digests) and
 ``failed`` (version, reason, the current version and the model's digests).
 ``--slow-version V --delay S``: after the first bucket of version V (the V+1-th), work S
-seconds (the window in which a test kills or freezes a peer mid-broadcast). The sink is staged, so
-a failed version leaves the model as it was.
+seconds (the window in which a test kills or freezes a peer mid-broadcast).
+``--refuse-version V``: the sink fails bucket 2 of version V (once): the engine refuses it.
+The sink is staged, so a failed version leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -30,13 +31,19 @@ class PacedSink(ModuleSink):
     (Versions in these tests are 0, 1, 2...: the one being applied is the commit count.)
     """
 
-    def __init__(self, model: dict[str, torch.Tensor], slow: int, delay: float) -> None:
+    def __init__(
+        self, model: dict[str, torch.Tensor], slow: int, delay: float, refuse: int = -1
+    ) -> None:
         super().__init__(model, staged=True)
-        self.slow, self.delay = slow, delay
-        self.commits = 0
-        self.slowed = False
+        self.slow, self.delay, self.refuse = slow, delay, refuse
+        self.commits = self.buckets = 0
+        self.slowed = self.refused = False
 
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        self.buckets += 1
+        if self.commits == self.refuse and self.buckets == 2 and not self.refused:
+            self.refused = True
+            raise RuntimeError("bucket 2 refused on purpose")
         super().apply_bucket(bucket, specs)
         emit("applying", version=self.commits, names=[spec.name for spec in specs])
         if self.commits == self.slow and not self.slowed:  # once: a retry goes at full speed
@@ -46,12 +53,18 @@ class PacedSink(ModuleSink):
     def commit(self, version: int) -> None:
         super().commit(version)
         self.commits += 1
+        self.buckets = 0
+
+    def abort(self) -> None:
+        super().abort()
+        self.buckets = 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--slow-version", type=int, default=-1)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--refuse-version", type=int, default=-1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
@@ -61,7 +74,7 @@ def main() -> None:
         name: torch.zeros(t.shape, dtype=t.dtype, device=args.device)
         for name, t in mixed_weights().items()
     }
-    sink = PacedSink(model, args.slow_version, args.delay)
+    sink = PacedSink(model, args.slow_version, args.delay, args.refuse_version)
 
     def digests() -> dict[str, str]:
         return {n: digest(t) for n, t in model.items()}

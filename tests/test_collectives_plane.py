@@ -242,3 +242,44 @@ def test_the_engines_given_must_fill_the_group() -> None:
     with pytest.raises(UsageError, match="2 engines given for a group of 3"):
         CollectiveSender(["ipc:///a", "ipc:///b"], collective=CollectiveOptions(engines=3))
     CollectiveSender((), collective=CollectiveOptions(engines=3))  # added later: not checked
+
+
+@only_asyncio
+@pytest.mark.parametrize("per_tensor", [False, True])
+async def test_an_engine_that_refuses_still_joins_so_the_others_commit(per_tensor: bool) -> None:
+    with engines([], []) as (ahead, behind):
+        async with sender([ahead]) as first:  # only one engine: it gets ahead, at version 5
+            await first.send(mixed_weights(seed=1), version=5)
+        assert (await ahead.until("committed"))["version"] == 5
+        async with sender([ahead, behind], per_tensor=per_tensor) as trainer:
+            report = await trainer.send(mixed_weights(seed=2), version=3, policy="available")
+            assert report.committed == [behind.endpoint]  # every broadcast completed
+            (refused,) = [o for o in report.engines if o.engine == ahead.endpoint]
+            assert refused.status == "failed"
+            assert "version 3 is not newer than" in str(refused.error)
+            failed = await ahead.until("failed", version=3)
+            assert failed["current"] == 5  # it keeps its version
+            assert failed["digests"] == digests(1)
+            committed = await behind.until("committed")
+            assert (committed["version"], committed["digests"]) == (3, digests(2))
+            await trainer.send(mixed_weights(seed=3), version=6)  # the group is still whole
+        for engine in (ahead, behind):
+            committed = await engine.until("committed")
+            assert (committed["version"], committed["digests"]) == (6, digests(3))
+
+
+@only_asyncio
+async def test_an_engine_refusing_mid_version_still_joins_the_rest_of_it() -> None:
+    with engines(["--refuse-version", "1"], []) as (refusing, other):
+        async with sender([refusing, other]) as trainer:
+            await trainer.send(mixed_weights(seed=1), version=0)
+            report = await trainer.send(mixed_weights(seed=2), version=1, policy="available")
+            assert report.committed == [other.endpoint]
+            failed = await refusing.until("failed", version=1)
+            assert "refused on purpose" in str(failed["reason"])
+            assert (failed["current"], failed["digests"]) == (0, digests(1))
+            await trainer.send(mixed_weights(seed=3), version=2)  # the same group, whole
+        for engine, versions in ((refusing, (2,)), (other, (0, 1, 2))):  # (0 was read above)
+            seen = [await engine.until("committed") for _ in versions]
+            assert tuple(event["version"] for event in seen) == versions
+            assert seen[-1]["digests"] == digests(3)

@@ -8,8 +8,7 @@ same shapes on GPU 1. In one run, each ``--repeats`` times after a warm-up:
 - ``raw``: the same bytes as one flat tensor, broadcast in 1 GiB messages over NCCL (the
   floor);
 - ``flat``: :class:`~aiosync.trainer.collective.CollectiveSender`, one broadcast per packed
-  bucket of ``--buffer-mb``; ``flat_overlap``: the same, the engine copying bucket k out
-  while it receives bucket k + 1 (``CollectiveOptions.overlap``);
+  bucket of ``--buffer-mb`` (``flat_overlap``, once a mode of its own, is now the same);
 - ``per_tensor``: the same sender, one broadcast per tensor;
 - ``ipc``: :class:`~aiosync.WeightSender` through its CUDA IPC plane (the engine copies out
   of the trainer's buffers across NVLink).
@@ -182,7 +181,8 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
             if mode == "raw":
                 continue
             try:
-                times = anyio.run(_pipeline, model, endpoint, mode, device, args)
+                marks = anyio.run(_pipeline, model, endpoint, mode, device, args)
+                times = [m["end"] - m["start"] for m in marks]
                 _ask(proc, "verify")
                 wrong = verify(group, model, True)
                 wrong = int(_reply(proc)["wrong"])
@@ -194,6 +194,7 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
                     "all_ms": _ms(times),
                     "bit_exact": wrong == 0,
                     "tensors_differing": wrong,
+                    "phases_ms": phases(marks),
                 }
             except Exception as exc:  # report, and go on with the other modes
                 out[mode] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -212,8 +213,11 @@ async def _pipeline(
     mode: str,
     device: str,
     args: argparse.Namespace,
-) -> list[float]:
-    """``repeats + 1`` versions through one sender of ``mode``; seconds of each but the first."""
+) -> list[dict[str, float]]:
+    """``repeats + 1`` versions through one sender of ``mode``; each one's clock marks.
+
+    The first (the warm-up) is left out; see :func:`phases` for the marks.
+    """
     from aiosync import SenderConfig, WeightSender
     from aiosync.planes.collective import CollectiveOptions
     from aiosync.trainer.collective import CollectiveSender
@@ -238,10 +242,39 @@ async def _pipeline(
         for repeat in range(args.repeats + 1):
             marker.fill_(float(repeat))  # every version differs from the one before
             _sync(marker.device)
-            start = time.perf_counter()
-            await sender.send(model)
-            times.append(time.perf_counter() - start)
+            marks: dict[str, float] = {}
+            packed = anyio.Event()
+
+            def acked(_: object, marks: dict[str, float] = marks) -> None:
+                marks.setdefault("first_ack", time.perf_counter())
+
+            async def when_packed(marks: dict[str, float] = marks, packed: Any = packed) -> None:
+                await packed.wait()
+                marks["packed"] = time.perf_counter()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(when_packed)
+                marks["start"] = time.perf_counter()
+                await sender.send(model, packed=packed, progress=acked)
+                marks["end"] = time.perf_counter()
+            times.append(marks)
     return times[1:]
+
+
+def phases(marks: list[dict[str, float]]) -> dict[str, float]:
+    """Medians (ms) of each version's phases, from the trainer's clock.
+
+    ``to_first_ack``: from the call to the engine's ack of bucket 1 (reading the tensors,
+    the manifest, packing and posting bucket 1); ``to_packed``: from there until the send
+    says every byte is packed (for the collective plane over NCCL: every broadcast done on
+    the GPU); ``to_end``: from there until the engines committed (completion, commit).
+    """
+    spans = {
+        "to_first_ack": [m["first_ack"] - m["start"] for m in marks],
+        "to_packed": [m["packed"] - m["first_ack"] for m in marks],
+        "to_end": [m["end"] - m["packed"] for m in marks],
+    }
+    return {name: round(statistics.median(values) * 1e3, 2) for name, values in spans.items()}
 
 
 def _device(args: argparse.Namespace) -> tuple[str, str]:
@@ -284,7 +317,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--buffer-mb", type=int, default=1024)
     parser.add_argument("--buffers", type=int, default=2)
-    parser.add_argument("--modes", default="raw,flat,flat_overlap,per_tensor,ipc")
+    parser.add_argument("--modes", default="raw,flat,per_tensor,ipc")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each tensor")
     parser.add_argument("--engine-device", default="cuda:1")
     parser.add_argument("--host", default="127.0.0.1")

@@ -1,8 +1,11 @@
 """Collectives under a deadline: what a :class:`GroupExecutor` job calls.
 
-Each call issues one collective on a side group with a per-operation timeout taken from the
-sync's :class:`~aiosync.collectives.executor.Deadline`, and returns once the bytes are in
-place on this rank (for CUDA tensors: the host waits for the GPU stream).
+Each call issues collectives on a side group with a per-operation timeout taken from the
+sync's :class:`~aiosync.collectives.executor.Deadline`. :func:`broadcast` and
+:func:`broadcast_many` return once the bytes are in place on this rank (for CUDA tensors:
+the host waits for the GPU stream); :func:`queue_broadcasts` (NCCL) only queues them and
+leaves the waiting to the GPU (a CUDA event recorded after them is watched under the
+deadline, see :mod:`aiosync.collectives.ordered`).
 
 - Gloo honours the per-operation timeout itself: a broadcast whose peers never come raises
   once the deadline passes, so no Gloo rank stays blocked.
@@ -67,3 +70,22 @@ def broadcast_many(
     cuda = {tensor.device for tensor in tensors if tensor.is_cuda}
     for device in cuda:
         torch.cuda.current_stream(device).synchronize()
+
+
+def queue_broadcasts(
+    group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int, deadline: Deadline
+) -> list[dist.Work]:
+    """NCCL: queue one broadcast per tensor after this thread's current stream; no host wait.
+
+    Each broadcast starts once the work queued so far on the current stream is done. The
+    works are returned: ``work.wait()`` under another stream makes that stream (not the
+    host) wait for them (see :class:`aiosync.collectives.ordered.OrderedBroadcasts`).
+    """
+    works = []
+    for tensor in tensors:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        options.timeout = op_timeout(deadline, tensor)
+        works.append(group.broadcast([tensor], options))
+    return works

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -76,7 +77,7 @@ def init_process_group(
         store, rank, world_size = next(meeting)
         store.set_timeout(timeout)
     options = {"backend_options": pg_options} if _new_helper_api() else {"pg_options": pg_options}
-    with _no_split_from_default():
+    with _no_split_from_default(), _nccl_errors_not_fatal():
         group, _ = c10d._new_process_group_helper(
             world_size,
             rank,
@@ -157,3 +158,27 @@ def _no_split_from_default() -> Iterator[None]:
         yield
     finally:
         default.bound_device_id = bound
+
+
+ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""torch's switch for what an NCCL group does on a communicator error or a timeout."""
+
+
+@contextlib.contextmanager
+def _nccl_errors_not_fatal() -> Iterator[None]:
+    """Make a side group's NCCL errors abort its communicator, not end the process.
+
+    torch's default (``3``) tears the whole process down when its watchdog sees an NCCL
+    error, such as a peer that died mid-broadcast; an engine whose trainer died must
+    instead fail the version and keep serving. ``2`` (clean up only) aborts the
+    communicator and leaves the error to the caller. torch reads the variable when it
+    builds the group, so it is set for that call only, and a value the user set wins.
+    """
+    if ERROR_HANDLING in os.environ:
+        yield
+        return
+    os.environ[ERROR_HANDLING] = "2"
+    try:
+        yield
+    finally:
+        os.environ.pop(ERROR_HANDLING, None)

@@ -51,7 +51,7 @@ from aiosync.engine.leases import LeaseGate
 from aiosync.engine.sinks import WeightSink
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
-from aiosync.planes.cuda_order import ordered_apply, with_plane_events
+from aiosync.planes.cuda_order import ordered_apply, receive_through_plane, with_plane_events
 from aiosync.runtime import require_asyncio
 
 log = logging.getLogger(__name__)
@@ -290,9 +290,8 @@ class WeightReceiver:
         except ProtocolError as exc:
             log.debug("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
-        if walks_tensors(message):
-            return await anyio.to_thread.run_sync(machine.receive, peer, message, time.monotonic())
-        return machine.receive(peer, message, time.monotonic())
+        plane, in_thread = self._planes.get(peer), walks_tensors(message)
+        return await receive_through_plane(plane, machine, peer, message, in_thread)
 
     # --- carrying out actions ---------------------------------------------------------
 

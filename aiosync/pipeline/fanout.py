@@ -72,6 +72,11 @@ class BucketFanout:
         self.timeout = min(link.timeout for link in links.values())
         self._limiter = anyio.CapacityLimiter(1)
         self._consumed = getattr(plane, "consumed", None)
+        # a collective plane: every engine of the group joins every broadcast, so one that
+        # refuses is still sent the version's buckets (it drops them) and its refusal is
+        # counted, not raised: the others complete (``_following`` names such engines)
+        self._follow = bool(getattr(plane, "joins_all", False))
+        self._following: list[str] = []
         self._entries: dict[str, int] | None = None  # built in the packing thread
         self.sent_buckets = self.sent_tensors = 0
         self.acked = SyncProgress(version, 0, 0, 0)
@@ -106,7 +111,7 @@ class BucketFanout:
     ) -> None:
         freed, free = ring
         try:
-            while self.vote.live:
+            while self.vote.live and not (self._follow and self.vote.hopeless):
                 # Each engine's acks are awaited with the timeout, and a failed engine lets go
                 # of its buffers; this bound is only a backstop, so it never fires first.
                 with anyio.move_on_after(2 * self.timeout) as scope:
@@ -121,12 +126,15 @@ class BucketFanout:
                     self._pack_next, plans, index, limiter=self._limiter
                 )
                 if packed is None:
+                    drain = getattr(self.plane, "drain", None)  # sends still reading
+                    if drain is not None:
+                        await drain()
                     if self.packed is not None and not self._direct_sent:
                         self.packed.set()  # the trainer may change its tensors again
                     return
                 if not packed.direct:
                     await self.plane.publish(index, packed.plan.used)
-                live = self.vote.live
+                live = self.vote.live + self._following
                 ledger.hold(index, live, packed)
                 for name in live:
                     try:
@@ -212,16 +220,40 @@ class BucketFanout:
         inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count + 1)
         try:
             if begin is not None:
-                link.session.begin(self.version)
+                self._open(link)
                 await self._send_one(link, _Packed(0, BEGIN, begin, BucketPlan()), inflight_tx)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._send_loop, link, outbox, inflight_tx)
                 await self._ack_loop(link, inflight_rx, ledger, free)
+            if link.name in self._following:  # its refusals were all read: the stream ends
+                link.session.failed()
         except BaseException:
             for index, done in ledger.drop(link.name):
                 self._bucket_done(done)
                 free.send_nowait(index)
             raise
+
+    def _open(self, link: EngineLink) -> None:
+        """Open ``link``'s stream, even one a collective plane's engine will refuse.
+
+        That engine still gets the version: it refuses it itself, then joins and drops
+        each bucket's broadcast.
+        """
+        try:
+            link.session.begin(self.version)
+        except AiosyncError as exc:
+            if not self._follow:
+                raise
+            self._refused(link, exc)
+            known, link.session.remote_version = link.session.remote_version, None
+            link.session.begin(self.version)
+            link.session.remote_version = known
+
+    def _refused(self, link: EngineLink, refusal: AiosyncError) -> None:
+        """A collective plane's engine refused: the vote hears it; it keeps joining."""
+        if link.name not in self._following:
+            self._following.append(link.name)
+            self.vote.fail(link.name, refusal)
 
     async def _send_loop(
         self,
@@ -259,8 +291,11 @@ class BucketFanout:
                 ack = await link.recv_ack("ack for a bucket", self.version, tensor)
                 if link.window is not None:
                     link.window.release()
-                if not ack.ok:
-                    raise link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
+                if not ack.ok and link.name not in self._following:
+                    refusal = link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
+                    if not self._follow:
+                        raise refusal
+                    self._refused(link, refusal)
                 if packed.index == BEGIN:
                     continue
                 if self._consumed is not None and not packed.direct:  # reuse waits for the

@@ -9,16 +9,27 @@ thread and returns, the bucket message goes to every engine, and each engine's
 Publishing never waits for the broadcast it queued (the engines only join it once the bucket
 message reached them), so bucket ``k + 1`` is packed while bucket ``k`` is broadcast.
 
+NCCL runs with no host wait per bucket on either side: packing, broadcasts, receives and
+the engine's copies out are chained on the GPUs by CUDA events
+(:mod:`aiosync.collectives.ordered`), the engine acknowledges a bucket once its receive and
+copies are queued, and each side waits on the host once per version (the trainer after its
+last bucket, each engine before it calls the version whole), under the deadline. A watcher
+aborts the communicator if a queued broadcast is not done by its deadline. Gloo is
+synchronous: each broadcast runs to its end on the group's thread, under its own timeout.
+
 Two modes, chosen by :attr:`CollectiveOptions.per_tensor`: one broadcast of the packed
 bucket (flattened, the default), or one broadcast per tensor straight from the trainer's
 tensors (no packing copy on the trainer; each tensor lands in its slot of the engine's
 buffer). Both go through the same manifest, bucket acks and fleet commit.
 
 Every collective runs under a deadline of ``timeout`` seconds (Gloo gives up by itself; an
-NCCL communicator is aborted by the executor). After a failure the group is broken: later
-buckets fail at once, the version is not committed, and the trainer reconnects with a new
-sender (a new group). An engine that refuses a bucket does not join its broadcast, so
-under this plane a refusal fails the version for the whole group.
+NCCL communicator is aborted). After a failure the group is broken: later buckets fail at
+once, the version is not committed, and the trainer reconnects with a new sender (a new
+group). A refusal is not a failure of the group: every rank must join every broadcast, so
+an engine that refuses a bucket or its version is still sent the version's buckets and
+joins their broadcasts, dropping the bytes (:attr:`CollectiveSenderPlane.joins_all`); it
+keeps its previous version and is reported, and under policy ``available`` the others
+commit.
 """
 
 from __future__ import annotations
@@ -30,10 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+import anyio
 import torch
 
 from aiosync.collectives import ops
 from aiosync.collectives.executor import Deadline, GroupExecutor
+from aiosync.collectives.ordered import OrderedBroadcasts
 from aiosync.collectives.process_group import init_process_group
 from aiosync.collectives.rendezvous import (
     LOOPBACK,
@@ -73,9 +86,9 @@ class CollectiveOptions:
     The rendezvous store listens on ``host`` (an IP address, loopback by default) or on
     the address of network interface ``interface``. ``per_tensor``: one broadcast per
     tensor instead of one per packed bucket. ``timeout`` (seconds) bounds the rendezvous
-    and each broadcast. ``overlap`` (NCCL, flattened): engines copy bucket k into their
-    model while they receive bucket k + 1 (their sinks then wait for the GPU once, at
-    commit, as with the CUDA IPC plane's events).
+    and each broadcast. ``overlap`` is accepted and changes nothing: over NCCL, engines
+    always copy bucket k into their model while they receive bucket k + 1 (their sinks
+    wait for the GPU once, at commit, as with the CUDA IPC plane's events).
     """
 
     engines: int
@@ -97,7 +110,17 @@ class CollectiveOptions:
 
 
 class CollectiveSenderPlane:
-    """The trainer's side: rank 0 of a new side group, a ring of buffers, broadcasts."""
+    """The trainer's side: rank 0 of a new side group, a ring of buffers, broadcasts.
+
+    NCCL: no host wait per bucket. :meth:`pack` queues the copies on a side stream after
+    the trainer's stream and after the buffer's previous broadcast (CUDA events), and the
+    trainer's stream waits for the packing (its later writes cannot reach tensors still
+    being read); :meth:`publish` has the group's thread queue the broadcast after the
+    packing's event. A watcher aborts the group when a broadcast is not done by its
+    deadline, and :meth:`drain` (once per version, after the last bucket) waits for the
+    last one. Gloo runs each broadcast to its end on the group's thread, under its own
+    timeout.
+    """
 
     def __init__(
         self, device: torch.device, count: int, capacity: int, options: CollectiveOptions
@@ -115,17 +138,27 @@ class CollectiveSenderPlane:
         self._hosted = host_store(host, timeout=wait)
         self._token = new_token()
         self._name = f"aiosync-{uuid.uuid4().hex}"
+        self._executor = GroupExecutor(self._name, join_timeout=options.timeout)
+        self._executor.start()
+        self._ordered: OrderedBroadcasts | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if self.backend == "nccl":
+            self._ordered = OrderedBroadcasts(self._executor, self.device)
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self._buffers: list[torch.Tensor] = []
         if not options.per_tensor:
             self._buffers = [
                 torch.empty(capacity, dtype=torch.uint8, device=self.device) for _ in range(count)
             ]
+        for buffer in self._buffers:
+            if self._ordered is not None and self._stream is not None:
+                self._ordered.hold(buffer)
+                buffer.record_stream(self._stream)
         self._segments: dict[int, list[torch.Tensor]] = {}
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
-        cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
-        self._executor = GroupExecutor(self._name, join_timeout=options.timeout)
-        self._executor.start()
+        self._packed: dict[int, torch.cuda.Event] = {}
+        self._done: dict[int, torch.cuda.Event] = {}
+        self._caller: torch.cuda.Stream | None = None
         world, store = 1 + options.engines, token_store(self._hosted.store, self._token)
 
         def join() -> None:
@@ -159,32 +192,58 @@ class CollectiveSenderPlane:
         return self._capacity
 
     @property
+    def joins_all(self) -> bool:
+        """True: every engine of the group must join every broadcast, even one it refused.
+
+        The pipeline then keeps sending a refusing engine the version's buckets (it joins
+        and drops them) and counts its refusal instead of ending its stream.
+        """
+        return True
+
+    @property
     def count(self) -> int:
         """Number of buffers (broadcasts in flight at most)."""
         return self._count
 
+    def begin_version(self) -> None:
+        """NCCL: read this version's tensors after the calling thread's stream (the trainer's)."""
+        if self._ordered is not None:
+            self._caller = torch.cuda.current_stream(self.device)
+
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Fill buffer ``index`` (or, per tensor, keep the tensors' bytes); blocking.
 
-        Waits first for the broadcast last queued from that buffer.
+        Gloo: waits first for the broadcast last queued from that buffer. NCCL: waits only
+        until that broadcast is queued; the GPU orders the rest (no wait for the device).
         """
         previous = self._inflight.pop(index, None)
         if previous is not None:
             self._executor.result(
                 previous, deadline=Deadline.after(self.options.timeout), what="broadcast"
             )
+        if self._ordered is None or self._stream is None:
+            if self.options.per_tensor:
+                self._segments[index] = _segments(plan, self.device)
+            else:
+                pack_bucket(self._buffers[index], plan)
+            return
+        caller = self._caller or torch.cuda.current_stream(self.device)
+        packed = torch.cuda.Event()  # type: ignore[no-untyped-call]
         if self.options.per_tensor:
-            self._segments[index] = _segments(plan, self.device)
-            return
-        if self._stream is None:
-            pack_bucket(self._buffers[index], plan)
-            return
-        # a side stream: the group's thread enqueues broadcasts on the default stream, and
-        # NCCL would wait for a pack queued there; the pack still follows the trainer's work
-        self._stream.wait_stream(torch.cuda.default_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            pack_bucket(self._buffers[index], plan)
-        self._stream.synchronize()
+            with torch.cuda.stream(caller):  # a copy made here is made where the tensors are
+                self._segments[index] = _segments(plan, self.device)
+            packed.record(caller)
+        else:
+            side = self._stream
+            side.wait_stream(caller)
+            done = self._done.get(index)
+            if done is not None:  # the buffer's previous broadcast (queued: see above)
+                side.wait_event(done)
+            with torch.cuda.stream(side):
+                pack_bucket(self._buffers[index], plan)
+            packed.record(side)
+            caller.wait_event(packed)
+        self._packed[index] = packed
 
     async def publish(self, index: int, used: int) -> None:
         """Queue the broadcast of buffer ``index`` and return (engines join it on the message).
@@ -194,18 +253,58 @@ class CollectiveSenderPlane:
         self._raise_failed()
         deadline = Deadline.after(self.options.timeout)
         job: Callable[[], None]
-        if self.options.per_tensor:
-            parts = self._segments.pop(index)
+        parts = (
+            self._segments.pop(index) if self.options.per_tensor else [self._buffers[index][:used]]
+        )
+        ordered = self._ordered
+        if ordered is None:
             job = lambda: ops.broadcast_many(self._group(), parts, 0, deadline)  # noqa: E731
         else:
-            data = self._buffers[index][:used]
-            job = lambda: ops.broadcast(self._group(), data, 0, deadline)  # noqa: E731
+            packed = self._packed.pop(index)
+            then = self._caller if self.options.per_tensor else None
+
+            def job() -> None:
+                what = f"broadcast from buffer {index}"
+                self._done[index] = ordered.step(
+                    self._group(), parts, packed, deadline, what, then=then
+                )
+
         self._inflight[index] = self._executor.submit(job)
+
+    async def drain(self) -> None:
+        """Once every bucket is published: return when no broadcast reads the trainer's memory.
+
+        The pipeline calls it before it tells the trainer its tensors are free again (the
+        send's ``packed``). NCCL: every broadcast done (:meth:`settle`, in a worker thread),
+        so a version's broadcasts have ended before the engines are asked to commit. Gloo,
+        per tensor: every broadcast done. Gloo, packed: nothing to wait for.
+        """
+        if self._ordered is not None:
+            await anyio.to_thread.run_sync(self.settle)
+        elif self.options.per_tensor:
+            deadline = Deadline.after(self.options.timeout)
+            for future in list(self._inflight.values()):
+                await self._executor.wait(future, deadline=deadline, what="broadcast")
+
+    def settle(self) -> None:
+        """Block until every broadcast queued so far is done (once per version); NCCL only.
+
+        Raises :class:`~aiosync.core.errors.SyncTimeoutError` (and aborts the group) past
+        the plane's timeout, or the group's error if a broadcast failed.
+        """
+        if self._ordered is None:
+            return
+        deadline = Deadline.after(self.options.timeout)
+        for future in list(self._inflight.values()):
+            self._executor.result(future, deadline=deadline, what="broadcast")
+        self._ordered.watch.settle(deadline)
 
     def _group(self) -> torch.distributed.ProcessGroup:
         return joined_group(self._executor, self._joined, self._name)
 
     def _raise_failed(self) -> None:
+        if self._executor.broken is not None:
+            raise self._executor.broken
         for future in [self._joined, *self._inflight.values()]:
             if future.done() and future.exception() is not None:
                 self._executor.result(future, deadline=Deadline.after(1), what="broadcast")
@@ -216,13 +315,18 @@ class CollectiveSenderPlane:
         A broadcast still in flight (an engine that never joined it) breaks the group
         first, so an NCCL communicator is aborted and no kernel is left waiting.
         """
-        if any(not future.done() for future in [self._joined, *self._inflight.values()]):
+        busy = any(not future.done() for future in [self._joined, *self._inflight.values()])
+        if busy or (self._ordered is not None and self._ordered.watch.pending):
             error = SyncTimeoutError(f"group {self._name} closed with a broadcast in flight")
             self._executor.fail(error)
+        if self._ordered is not None:
+            self._ordered.close()
         self._executor.close(wait=False)
         self._hosted.close()
         self._buffers.clear()
         self._segments.clear()
+        self._packed.clear()
+        self._done.clear()
 
 
 def _segments(plan: BucketPlan, device: torch.device) -> list[torch.Tensor]:

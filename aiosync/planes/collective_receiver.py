@@ -2,7 +2,9 @@
 
 :class:`CollectiveReceiverPlane` joins the trainer's side group from the hello's
 :class:`~aiosync.core.wire.CollectivePlaneSpec` (checked first as hostile input by
-:func:`check_spec`) and receives each bucket in :meth:`CollectiveReceiverPlane.view`.
+:func:`check_spec`) and receives each bucket in :meth:`CollectiveReceiverPlane.view`
+(NCCL: queued on the GPU, no host wait; :meth:`CollectiveReceiverPlane.settle` is the
+version's one wait, before the engine calls it whole).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 
 from aiosync.collectives import ops
 from aiosync.collectives.executor import Deadline, GroupExecutor, collective_error
+from aiosync.collectives.ordered import OrderedBroadcasts
 from aiosync.collectives.process_group import init_process_group
 from aiosync.collectives.rendezvous import connect_store, is_token, token_store, valid_host
-from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
+from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import CollectivePlaneSpec
@@ -32,6 +35,8 @@ RANK_KEY = "aiosync-next-rank"
 MAX_WORLD = 1 << 14
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+MAX_SKIPPED_SLOTS = 1 << 16
+"""Most tensors a refused bucket may ask this engine to receive (per-tensor mode)."""
 
 
 def joined_group(
@@ -79,8 +84,13 @@ class CollectiveReceiverPlane:
 
     Opening returns at once; the rendezvous runs on the group's thread, so a trainer that
     says hello to several engines in turn is never blocked by the first. ``view`` (called
-    when the bucket message arrives, in a worker thread) posts the receive and returns the
-    bytes once they are in place. Buffers are allocated on first use.
+    when the bucket message arrives, in a worker thread) posts the receive. Gloo: it
+    returns once the bytes are in place. NCCL: it returns once the receive is queued
+    (after the copies out of that buffer's previous bucket, by CUDA event), with the
+    calling thread's stream made to wait for it; the sink's copies follow on the GPU, and
+    the host waits once per version, in :meth:`settle`, under the deadline (a watcher
+    aborts the group if a receive is not done by its own). Buffers are allocated on
+    first use.
     """
 
     def __init__(
@@ -98,14 +108,16 @@ class CollectiveReceiverPlane:
         self._buffers: dict[int, torch.Tensor] = {}
         self._expected: dict[int, list[TensorSpec]] = {}
         self.rank: int | None = None
-        overlap = spec.overlap and spec.backend == "nccl" and not spec.per_tensor
-        self._overlap = _Overlap(self._device) if overlap else None
-        self.events: list[bytes] = [b"collective"] if overlap else []
+        self._executor = GroupExecutor(spec.group, join_timeout=self._timeout)
+        self._executor.start()
+        self._ordered: OrderedBroadcasts | None = None
+        if spec.backend == "nccl":
+            self._ordered = OrderedBroadcasts(self._executor, device, peers=("the trainer",))
+        self._copied: dict[int, torch.cuda.Event] = {}
+        self.events: list[bytes] = [b"collective"] if self._ordered is not None else []
         """Non-empty when copies are ordered by events (see :mod:`aiosync.planes.cuda_order`):
         the receiver then lets sinks skip their per-bucket device wait. The trainer's
         collective plane ignores the value."""
-        self._executor = GroupExecutor(spec.group, join_timeout=self._timeout)
-        self._executor.start()
         self._joined = self._executor.submit(self._join)
 
     def _join(self) -> None:
@@ -126,29 +138,61 @@ class CollectiveReceiverPlane:
         self._expected[index] = specs
 
     def view(self, index: int, used: int) -> torch.Tensor:
-        """Receive bucket ``index`` (``used`` bytes) and return its bytes; blocking."""
+        """Receive bucket ``index`` (``used`` bytes) and return its bytes; blocking.
+
+        NCCL: the bytes are there for work queued next on this thread's stream.
+        """
         spec = self._spec
         if not 0 <= index < spec.count or not 0 <= used <= spec.capacity:
             raise ProtocolError(f"bucket {index} of {used} bytes is outside the plane")
         buffer = self._buffers.get(index)
         if buffer is None:
             buffer = torch.empty(spec.capacity, dtype=torch.uint8, device=self._device)
+            if self._ordered is not None:
+                self._ordered.hold(buffer)
             self._buffers[index] = buffer
         data = buffer[:used]
         deadline = Deadline.after(self._timeout)
-        job: Callable[[], None]
+        parts = [data]
         if spec.per_tensor:
             specs = self._expected.pop(index, None)
             if specs is None:
                 raise UsageError("per-tensor plane: the receiver did not pass the bucket's specs")
             parts = [data[s.offset : s.offset + s.nbytes] for s in specs if s.nbytes]
+        what = f"receive into buffer {index}"
+        ordered = self._ordered
+        if ordered is None:
             job = lambda: ops.broadcast_many(self._group(), parts, 0, deadline)  # noqa: E731
-        elif self._overlap is not None:
-            job = self._overlap.receive(self._group, data, index, deadline)
-        else:
-            job = lambda: ops.broadcast(self._group(), data, 0, deadline)  # noqa: E731
-        self._executor.call(job, deadline=deadline, what=f"receive into buffer {index}")
+            self._executor.call(job, deadline=deadline, what=what)
+            return data
+        after = self._copied.pop(index, None)
+        step: Callable[[], torch.cuda.Event] = lambda: ordered.step(  # noqa: E731
+            self._group(), parts, after, deadline, what
+        )
+        received = self._executor.call(step, deadline=deadline, what=what)
+        torch.cuda.current_stream(self._device).wait_event(received)
         return data
+
+    def skip(self, index: int, used: int, slots: list[tuple[int, int]]) -> None:
+        """Join the broadcast of a bucket this engine refused, into buffer ``index``; drop it.
+
+        Every rank takes part in every broadcast of a group, so an engine that refuses a
+        bucket (or its whole version) still receives it: the other engines complete, and
+        this one keeps its previous version. ``slots``: each tensor's ``(offset, nbytes)``
+        as the bucket message gives them (per tensor, one receive each; checked first).
+        """
+        spec = self._spec
+        if spec.per_tensor:
+            if len(slots) > MAX_SKIPPED_SLOTS or any(
+                offset < 0 or nbytes < 0 or offset + nbytes > used for offset, nbytes in slots
+            ):
+                raise ProtocolError(f"a refused bucket's {len(slots)} slots lie outside it")
+            self._expected[index] = [
+                TensorSpec(f"skipped-{i}", "uint8", (nbytes,), offset, nbytes)
+                for i, (offset, nbytes) in enumerate(slots)
+            ]
+        self.view(index, used)
+        self.applied(index)  # the next receive into the buffer follows this one
 
     @contextmanager
     def applying(self, index: int) -> Iterator[None]:
@@ -157,51 +201,33 @@ class CollectiveReceiverPlane:
 
     def applied(self, index: int) -> None:
         """The bucket's copies out of buffer ``index`` are queued on this thread's stream."""
-        if self._overlap is not None:
-            self._overlap.freed(index)
+        if self._ordered is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self._device))
+            self._copied[index] = event
+
+    def settle(self) -> None:
+        """Block until every receive queued so far is done (before the version is whole).
+
+        Raises the group's error if one failed, or :class:`SyncTimeoutError` (aborting
+        the group) past the plane's timeout. Gloo: nothing is left to wait for.
+        """
+        if self._ordered is not None:
+            self._ordered.watch.settle(Deadline.after(self._timeout))
 
     def _group(self) -> torch.distributed.ProcessGroup:
         return joined_group(self._executor, self._joined, self._spec.group)
 
     def close(self) -> None:
-        """Leave the group (without waiting for a blocked collective to end)."""
+        """Leave the group (without waiting for a blocked collective to end).
+
+        A receive still queued on the GPU (a trainer gone mid-broadcast) breaks the group
+        first, so the NCCL communicator is aborted and no kernel is left waiting.
+        """
+        if self._ordered is not None:
+            if self._ordered.watch.pending:
+                error = SyncTimeoutError(f"group {self._spec.group} closed with a receive queued")
+                self._executor.fail(error)
+            self._ordered.close()
         self._executor.close(wait=False)
         self._buffers.clear()
-
-
-class _Overlap:
-    """Receives on a stream of its own, each after the copies out of its buffer's last use.
-
-    The host still waits for every receive (under the deadline, so a hung peer is aborted);
-    what it no longer waits for is the sink's copy of the previous bucket, which runs on the
-    applying thread's stream while the next receive lands in the other buffer.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self.copied: dict[int, torch.cuda.Event] = {}
-
-    def receive(
-        self,
-        group: Callable[[], torch.distributed.ProcessGroup],
-        data: torch.Tensor,
-        index: int,
-        deadline: Deadline,
-    ) -> Callable[[], None]:
-        """The job receiving buffer ``index`` (on the group's thread)."""
-
-        def job() -> None:
-            with torch.cuda.stream(self.stream):
-                copied = self.copied.get(index)
-                if copied is not None:
-                    self.stream.wait_event(copied)
-                ops.broadcast(group(), data, 0, deadline)
-
-        return job
-
-    def freed(self, index: int) -> None:
-        """Record, on this thread's stream, that buffer ``index`` has been copied out."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        self.copied[index] = event

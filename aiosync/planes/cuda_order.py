@@ -7,20 +7,30 @@ the trainer waits on that event before it packs the buffer again. The host never
 While such an apply runs, :func:`sync_deferred` is true in that thread, and sinks skip their
 own device synchronisation (it happens once per version, at commit). Planes without
 ``applied`` are untouched: the sink synchronises as before.
+
+A collective plane queues its receives without a host wait (NCCL) and must join every
+broadcast of its group: :func:`receive_through_plane` is how the receiver hands it each
+message (``settle`` before a version is called whole, ``skip`` for a refused bucket).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import anyio
 import msgspec
 
-from aiosync.core.engine_actions import Action, Reply
-from aiosync.core.wire import Ready
+from aiosync.core.engine_actions import Action, Apply, ClosePlane, Peer, Reply
+from aiosync.core.engine_session import EngineSession
+from aiosync.core.errors import AiosyncError
+from aiosync.core.wire import Bucket, Complete, Message, Ready
 
+log = logging.getLogger(__name__)
 _local = threading.local()
 
 
@@ -55,3 +65,53 @@ def with_plane_events(actions: list[Action], plane: Any) -> list[Action]:
         else a
         for a in actions
     ]
+
+
+async def receive_through_plane(
+    plane: Any, machine: EngineSession, peer: Peer, message: Message, in_thread: bool
+) -> list[Action]:
+    """``machine.receive(peer, message)``, with the hooks of a plane that queues collectives.
+
+    ``in_thread``: receive in a worker thread. The hooks are duck-typed (other planes are
+    untouched):
+
+    - before a ``complete``, ``plane.settle()`` waits for the receives still queued on the
+      GPU (under the plane's deadline); a failure refuses the completion;
+    - a ``bucket`` the engine refused (or one of a refused version) still has its
+      broadcast joined by ``plane.skip``, into the plane's buffer, and dropped: every rank
+      of a group takes part in every broadcast, so the other engines complete.
+    """
+    if isinstance(message, Complete) and (error := await _settled(plane)):
+        return machine.apply_failed(peer, message.seq, error)
+    now = time.monotonic()
+    if in_thread:
+        actions = await anyio.to_thread.run_sync(machine.receive, peer, message, now)
+    else:
+        actions = machine.receive(peer, message, now)
+    skip = getattr(plane, "skip", None)
+    if skip is None or not isinstance(message, Bucket):
+        return actions
+    if any(isinstance(action, Apply | ClosePlane) for action in actions):
+        return actions  # applied as usual, or the session is over (a protocol error)
+    slots = [(s.offset, s.nbytes) for s in message.slots] or [
+        (s.offset, s.nbytes) for s in message.specs
+    ]
+    try:
+        await anyio.to_thread.run_sync(skip, message.buffer, message.used, slots)
+    except Exception as exc:  # the group breaks; this engine's refusal stands either way
+        log.warning("could not join the broadcast of refused bucket %d: %s", message.seq, exc)
+    return actions
+
+
+async def _settled(plane: Any) -> AiosyncError | None:
+    """Wait (in a worker thread) for ``plane.settle()`` if it has one; the error it raised."""
+    settle = getattr(plane, "settle", None)
+    if settle is None:
+        return None
+    try:
+        await anyio.to_thread.run_sync(settle)
+    except AiosyncError as exc:
+        return exc
+    except Exception as exc:
+        return AiosyncError(f"a queued receive failed: {exc}")
+    return None
