@@ -98,3 +98,50 @@ def test_a_cuda_copy_program_copies_each_target_and_is_remade_for_new_storage() 
     assert torch.equal(
         tensor_bytes(targets["b"]), bucket[specs[1].offset : specs[1].offset + specs[1].nbytes]
     )
+
+
+def test_a_module_sink_applies_a_bucket_of_several_cuda_parts_in_one_call() -> None:
+    """A direct bucket's regions (several CUDA views) through ``apply_parts``: one call,
+    bit-exact, again after a target got new storage and from parts at other addresses."""
+    from aiosync import ModuleSink
+    from aiosync.core.layout import calculate_aligned_size
+    from aiosync.engine.sinks import apply_parts
+
+    gen = torch.Generator(device="cuda:0").manual_seed(5)
+    sent = {
+        f"t{i}": torch.randn(40 + i, 8, generator=gen, device="cuda:0").to(torch.bfloat16)
+        for i in range(24)
+    }
+    sent["host"] = torch.arange(12, dtype=torch.float32, device="cuda:0")
+    targets = {name: torch.zeros_like(t) for name, t in sent.items()}
+    targets["host"] = torch.zeros(12)  # on the CPU: copied spec by spec
+    parts = []
+    for k in range(3):
+        names = list(sent)[k::3]
+        region = torch.zeros(
+            sum(calculate_aligned_size(sent[n].nbytes) for n in names),
+            dtype=torch.uint8,
+            device="cuda:0",
+        )
+        specs, offset = [], 0
+        for name in names:
+            t = sent[name]
+            region[offset : offset + t.nbytes] = tensor_bytes(t)
+            specs.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), offset, t.nbytes))
+            offset += calculate_aligned_size(t.nbytes)
+        parts.append((region, specs))
+    sink = ModuleSink(targets)
+    sink.expectations()
+
+    def check() -> None:
+        torch.cuda.synchronize()
+        for name, t in sent.items():
+            assert torch.equal(targets[name].to(t.device), t), name
+
+    apply_parts(sink, parts)
+    check()
+    targets["t4"].data = torch.zeros_like(targets["t4"])
+    apply_parts(sink, parts)
+    check()
+    apply_parts(sink, [(region.clone(), specs) for region, specs in parts])
+    check()

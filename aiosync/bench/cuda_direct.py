@@ -10,9 +10,10 @@ direct (``SenderConfig(direct=True)``: the engine copies out of this process's p
 mixed (direct, with every fourth tensor handed over as a plain tensor, so packed) and
 flat (direct, the parameters being views of one allocation, as a training framework's
 parameter buffer makes them: one region instead of one per allocation).
-It measures the floors of the same run (one flat device copy of the model's bytes; a copy
-of every tensor into buffers and back), checks the engine's model against the trainer's at
-the end, and prints JSON: times, byte splits, ratios to the floors.
+It measures the floors of the same run (one flat device copy of the model's bytes; one
+copy of every tensor into a tensor of its own, queued by address as an engine's copies
+are; a copy of every tensor into buffers and back), checks the engine's model against the
+trainer's at the end, and prints JSON: times, byte splits, ratios to the floors.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from aiosync.bench.cuda_dropin import _digest, _floors
 from aiosync.bench.model import synthetic_state_dict
+from aiosync.bench.timeline_switches import direct_source
 
 MiB = 1 << 20
 
@@ -45,17 +47,27 @@ def _engine(size_mb: int) -> subprocess.Popen[str]:
     )
 
 
-def _flat(model: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """The same values as parameters that are views of one allocation (a param buffer)."""
-    sizes = [-(-p.nbytes // 512) * 512 for p in model.values()]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda:0")
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for (name, p), size in zip(model.items(), sizes, strict=True):
-        view = flat[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
-        view.copy_(p.detach())
-        out[name] = torch.nn.Parameter(view, requires_grad=False)
-        offset += size
+def _per_tensor_floor(model: dict[str, torch.Tensor]) -> float:
+    """Seconds (median of 5) to copy every tensor into a same-sized tensor of its own.
+
+    Queued by address (one ``cudaMemcpyAsync`` a tensor, what an engine's copy program
+    queues): direct mode's GPU work in one process, with no host message at all.
+    """
+    from aiosync.bench.cuda_dropin import _timed
+    from aiosync.planes.cuda_runtime import memcpy_async
+
+    pairs = [(torch.empty_like(t), t) for t in model.values()]
+    jobs = [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in pairs]
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def copy() -> None:
+        for dst, src, nbytes in jobs:
+            memcpy_async(dst, src, nbytes, stream)
+        torch.cuda.synchronize()
+
+    out = statistics.median(_timed(copy, 5))
+    del pairs
+    torch.cuda.empty_cache()
     return out
 
 
@@ -63,7 +75,12 @@ def _sources(model: dict[str, torch.nn.Parameter]) -> dict[str, dict[str, torch.
     mixed: dict[str, torch.Tensor] = {
         n: (p.detach() if i % 4 == 0 else p) for i, (n, p) in enumerate(model.items())
     }
-    return {"packed": dict(model), "direct": dict(model), "mixed": mixed, "flat": _flat(model)}
+    return {
+        "packed": dict(model),
+        "direct": dict(model),
+        "mixed": mixed,
+        "flat": direct_source(model, True),
+    }
 
 
 def main() -> None:
@@ -87,6 +104,7 @@ def main() -> None:
         out: dict[str, Any] = {"bytes": sum(t.nbytes for t in model.values())}
         out["tensors"] = len(model)
         out.update(_floors(plain, args.buffer_mb * MiB))
+        out["one_copy_per_tensor_s"] = _per_tensor_floor(plain)
 
         async def one(mode: str, source: dict[str, torch.Tensor]) -> None:
             config = SenderConfig(
@@ -121,6 +139,9 @@ def main() -> None:
         out["packed_over_two_copies"] = out["packed_median_s"] / out["two_copies_s"]
         out["mixed_over_one_copy"] = out["mixed_median_s"] / out["one_copy_s"]
         out["flat_over_one_copy"] = out["flat_median_s"] / out["one_copy_s"]
+        for mode in ("direct", "flat"):
+            per_tensor = out[f"{mode}_median_s"] / out["one_copy_per_tensor_s"]
+            out[f"{mode}_over_one_copy_per_tensor"] = per_tensor
         print(json.dumps(out), flush=True)
     finally:
         proc.kill()

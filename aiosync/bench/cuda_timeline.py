@@ -6,7 +6,10 @@ model to it with :class:`~aiosync.WeightSender` for each ``--variants`` entry (`
 N buffers of MB MiB), ``--repeats`` timed versions after a warm-up each, reporting the
 median and the trainer loop's longest stall; a variant ending in ``i`` packs and applies
 on the event loops, one ending in ``o`` copies one ``copy_`` a tensor as before the
-by-address copies (:mod:`aiosync.bench.timeline_switches`). It then streams ``--traced`` more versions of
+by-address copies (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
+(the engine copies out of this process's tensors, each its own region: an allocation on
+CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
+tensors as views of one allocation or segment). It then streams ``--traced`` more versions of
 the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
 On CUDA the same run measures the floors (one flat device copy; every tensor into
@@ -191,12 +194,18 @@ async def _native(
     variant: str,
     versions: int,
     before: Any = None,
+    source: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[float], float]:
-    """``versions`` sends through ``variant``'s buffers: each one's seconds, longest stall."""
+    """``versions`` sends through ``variant``'s buffers: each one's seconds, longest stall.
+
+    ``source``: tensors to send in direct mode instead of ``model`` (see :func:`direct_source`).
+    """
     from aiosync import SenderConfig, WeightSender
 
     count, mb = (int(x) for x in variant.split("x"))
-    config = SenderConfig(buffer_bytes=mb * MiB, num_buffers=count, timeout=30.0)
+    direct = source is not None
+    config = SenderConfig(buffer_bytes=mb * MiB, num_buffers=count, timeout=30.0, direct=direct)
+    sent = model if source is None else source
     times: list[float] = []
     stall = 0.0
     cuda = args.device.startswith("cuda")
@@ -224,7 +233,7 @@ async def _native(
 
                 tg.start_soon(watch)
                 start = time.perf_counter()
-                await sender.send(model)
+                await sender.send(sent)
                 times.append(time.perf_counter() - start)
                 done.set()
             stall = max(stall, result[0] if n else 0.0)
@@ -235,9 +244,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     """``NxMB`` and its flags.
 
     ``i`` packs and applies on the event loops (no thread hop); ``o`` copies as before
-    by-address queuing (one ``copy_`` a tensor on both sides).
+    by-address queuing (one ``copy_`` a tensor on both sides); ``d`` / ``f``: direct mode,
+    one region a tensor / one region in all.
     """
-    shape = variant.rstrip("io")
+    shape = variant.rstrip("iodf")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -270,6 +280,7 @@ def trainer(args: argparse.Namespace) -> None:
 
     inline = timeline_switches.inline_switch(fanout)
     out: dict[str, Any] = {"bytes": sum(t.nbytes for t in model.values()), "tensors": len(model)}
+    sources: dict[str, dict[str, torch.Tensor]] = {}
     try:
         endpoint = json.loads(stdout.readline())["endpoint"]
         variants = args.variants.split(",")
@@ -282,8 +293,11 @@ def trainer(args: argparse.Namespace) -> None:
             mode.clear()
             mode.update(flags)
             command("mode " + " ".join(flags))
+            source = timeline_switches.direct_for(model, flags, sources)
             times, stall = run(
-                functools.partial(_native, model, endpoint, args, shape, args.repeats + 1)
+                functools.partial(
+                    _native, model, endpoint, args, shape, args.repeats + 1, None, source
+                )
             )
             out[variant] = {
                 "median_s": statistics.median(times[1:]),
@@ -304,7 +318,9 @@ def trainer(args: argparse.Namespace) -> None:
         mode.clear()
         command("mode")
         total = 1 + args.traced
-        run(lambda: _native(model, endpoint, args, _variant(variants[0])[0], total, start))
+        shape, flags = _variant(variants[0])
+        traced = timeline_switches.direct_for(model, flags, sources)
+        run(lambda: _native(model, endpoint, args, shape, total, start, traced))
         trainer_marks = rec.dump()
         engine_marks = command("dump")["marks"]
         out["traced"] = []
@@ -342,7 +358,8 @@ def main() -> None:
         "--variants",
         default="2x1024,2x1024o,2x1024i,4x1024,2x2048",
         help="NxMB each; a trailing i packs and applies on the event loops (no thread "
-        "hop), o copies one copy_ a tensor (as before by-address queuing)",
+        "hop), o copies one copy_ a tensor (as before by-address queuing), d sends direct "
+        "(a region a tensor), f direct out of one region",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--traced", type=int, default=2)

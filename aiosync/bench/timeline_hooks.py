@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -97,7 +97,7 @@ def trainer_hooks(rec: Recorder) -> None:
     """Mark the trainer's steps: send, read, begin, each bucket's pack/send/ack, commit."""
     from aiosync.pipeline import fanout, links, stream
     from aiosync.planes import cuda_legacy, shm
-    from aiosync.trainer import sender
+    from aiosync.trainer import direct, sender
 
     def send(orig: Any) -> Any:
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -178,6 +178,7 @@ def trainer_hooks(rec: Recorder) -> None:
 
     _wrap(sender.WeightSender, "send", send)
     _wrap(sender, "read_source", read_source)
+    _wrap(direct.DirectReader, "read", read_source)  # direct mode reads through this
     _wrap(cuda_legacy, "_pack", pack_bucket)
     _wrap(shm, "pack_bucket", pack_bucket)
     _wrap(fanout.BucketFanout, "_pack_next", pack_next)
@@ -185,6 +186,8 @@ def trainer_hooks(rec: Recorder) -> None:
     _wrap(links.EngineLink, "recv_ack", recv_ack)
     _wrap(stream.StreamRun, "__init__", stream_init)
     _wrap(stream.StreamRun, "_complete", phase("complete"))
+    if hasattr(stream.StreamRun, "_complete_and_commit"):  # commit sent with the complete
+        _wrap(stream.StreamRun, "_complete_and_commit", phase("complete"))
     _wrap(stream.StreamRun, "_commit", phase("commit"))
 
 
@@ -229,6 +232,12 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
         with rec.span("copy", rec.seq):
             bucket_apply(bucket, specs)
 
+    parts_apply = sink.apply_parts
+
+    def apply_parts(parts: list[Any]) -> None:  # a direct bucket of several regions
+        with rec.span("copy", rec.seq):
+            parts_apply(parts)
+
     sink_commit = sink.commit
 
     def commit(version: int) -> None:
@@ -240,6 +249,7 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
     _wrap(receiver.WeightReceiver, "_apply", apply)
     _wrap(receiver.WeightReceiver, "_reply", reply)
     sink.apply_bucket = apply_bucket
+    sink.apply_parts = apply_parts
     sink.commit = commit
 
 
@@ -259,7 +269,7 @@ BUCKET_COLUMNS = [
 ]
 
 
-def timeline(trainer: list[Mark], engine: list[Mark], version: int) -> dict[str, Any]:
+def timeline(trainer: Sequence[Mark], engine: Sequence[Mark], version: int) -> dict[str, Any]:
     """One version's rows (ms from the trainer's send), phases and a summary of gaps."""
     marks: dict[tuple[str, int | None], int] = {}
     for side, records in (("T", trainer), ("E", engine)):

@@ -2,11 +2,13 @@
 
 Each switch patches this process's pipeline in place and returns a set of flags; an empty
 set (the default) leaves the code as it is, so one run measures the code and the variants.
-Never imported by the library.
+:func:`direct_source` makes the tensors a direct-mode variant sends. Never imported by the
+library.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -57,7 +59,7 @@ def old_copies_switch() -> set[str]:
 
     mode: set[str] = set()
     new_pack = cuda_legacy._pack
-    new_apply = bulk_apply.CopyPrograms.apply
+    new_apply = bulk_apply.CopyPrograms.apply_parts
 
     def pack(buffer: Any, plan: Any, stream: Any) -> None:
         if "o" in mode:
@@ -65,11 +67,61 @@ def old_copies_switch() -> set[str]:
         else:
             new_pack(buffer, plan, stream)
 
-    def apply(self: Any, bucket: torch.Tensor, specs: Any, target: Any) -> Any:
-        if "o" in mode and bucket.is_cuda:
-            return specs
-        return new_apply(self, bucket, specs, target)
+    def apply(self: Any, parts: list[Any], target: Any) -> Any:
+        if "o" in mode and parts and parts[0][0].is_cuda:
+            return parts
+        return new_apply(self, parts, target)
 
     cuda_legacy._pack = pack  # type: ignore[assignment]
-    bulk_apply.CopyPrograms.apply = apply  # type: ignore[method-assign]
+    bulk_apply.CopyPrograms.apply_parts = apply  # type: ignore[method-assign]
     return mode
+
+
+def direct_for(
+    model: Mapping[str, torch.Tensor], flags: list[str], made: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor] | None:
+    """The direct source a variant's flags ask for (made once a kind), or None (packed)."""
+    kind = "f" if "f" in flags else "d" if "d" in flags else None
+    if kind is None:
+        return None
+    if kind not in made:
+        made[kind] = direct_source(model, kind == "f")
+    return made[kind]
+
+
+def direct_source(model: Mapping[str, torch.Tensor], flat: bool) -> dict[str, torch.Tensor]:
+    """``model``'s values as tensors direct mode reads in place (parameters, or shared).
+
+    CUDA: parameters over the model's own tensors (one allocation each), or (``flat``) views
+    of one new allocation. CPU: each tensor in a shared segment of its own, or (``flat``)
+    all in one segment (:func:`aiosync.share_tensors`).
+    """
+    from aiosync import share_tensors
+
+    first = next(iter(model.values()))
+    if first.is_cuda and not flat:
+        return {n: torch.nn.Parameter(t, requires_grad=False) for n, t in model.items()}
+    if first.is_cuda:
+        sizes = [-(-t.nbytes // 512) * 512 for t in model.values()]
+        whole = torch.empty(sum(sizes), dtype=torch.uint8, device=first.device)
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for (name, t), size in zip(model.items(), sizes, strict=True):
+            view = whole[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            out[name] = torch.nn.Parameter(view, requires_grad=False)
+            offset += size
+        return out
+    holders = [torch.nn.Module() for _ in range(1 if flat else len(model))]
+    for i, t in enumerate(model.values()):
+        param = torch.nn.Parameter(t.clone(), requires_grad=False)
+        holders[0 if flat else i].register_parameter(f"p{i}", param)
+    for holder in holders:
+        share_tensors(holder)  # closed with its module
+    params = [p for holder in holders for p in holder.parameters()]
+    kept: dict[str, torch.Tensor] = dict(zip(model, params, strict=True))
+    _HELD.extend(holders)
+    return kept
+
+
+_HELD: list[torch.nn.Module] = []  # the segments' modules, alive until the run ends

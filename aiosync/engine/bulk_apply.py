@@ -14,6 +14,11 @@ A bucket on a CUDA device is copied the same way, every plain target on that dev
 whatever its size, each copy queued by address on the current stream
 (:func:`~aiosync.planes.cuda_runtime.memcpy_async`): a few µs of host time a tensor instead
 of the tens that ``copy_`` and its views take, so the engine acks sooner.
+
+A bucket may come in several parts (a direct bucket: one flat view per trainer region,
+:mod:`aiosync.planes.direct`): :meth:`CopyPrograms.apply_parts` keeps one program a part
+under the bucket's first spec list and queues all their copies in one loop, the device and
+stream set up once a bucket, not once a part.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from aiosync.core.layout import SMALL_COPY, TensorSpec, address_copy, is_plain
 
 MIN_SPECS = 16
 """Buckets of fewer tensors are copied one by one: a program saves nothing there."""
+
+Part = tuple[torch.Tensor, list[TensorSpec]]
+"""A bucket's bytes (a flat ``uint8`` view) and the specs that lie in them."""
 
 
 @dataclass
@@ -43,11 +51,47 @@ class CopyProgram:
     sizes: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Parts:
+    """The programs of one bucket's parts, and all their copies in one list (``merged``).
+
+    ``merged`` holds each copy's source as an address (its part's base when merged, plus
+    its offset): one loop queues every part's copies; it is merged again when a part's
+    bytes move (another ring buffer, a region opened again).
+    """
+
+    programs: list[CopyProgram]
+    bases: list[int] = field(default_factory=list)
+    merged: CopyProgram = field(default_factory=lambda: CopyProgram([]))
+    part_of: list[int] = field(default_factory=list)  # each merged copy's part
+
+    def fits(self, parts: list[Part]) -> bool:
+        """Whether these programs were made for ``parts``' spec lists (the very lists)."""
+        programs = self.programs
+        return len(programs) == len(parts) and all(
+            p.specs is specs for p, (_, specs) in zip(programs, parts, strict=True)
+        )
+
+    def merge(self, bases: list[int]) -> None:
+        """Lay every part's copies out in :attr:`merged`, sources at ``bases``."""
+        merged = CopyProgram([])
+        part_of: list[int] = []
+        for k, (program, base) in enumerate(zip(self.programs, bases, strict=True)):
+            merged.copied += program.copied
+            merged.tensors += program.tensors
+            merged.pointers += program.pointers
+            merged.targets += program.targets
+            merged.offsets += [base + offset for offset in program.offsets]
+            merged.sizes += program.sizes
+            part_of += [k] * len(program.tensors)
+        self.bases, self.merged, self.part_of = bases, merged, part_of
+
+
 class CopyPrograms:
     """Programs for the spec lists of recent buckets, kept across versions."""
 
     def __init__(self) -> None:
-        self._programs: dict[int, CopyProgram] = {}
+        self._programs: dict[int, _Parts] = {}
         self._used: set[int] = set()
 
     def apply(
@@ -61,24 +105,49 @@ class CopyPrograms:
         ``target(spec)`` is the tensor a spec is copied into as is, or None when it needs
         the sink's own handling (a tied name, another dtype). CPU and CUDA buckets.
         """
-        cuda = bucket.is_cuda
-        if not (cuda or bucket.is_cpu) or (not cuda and len(specs) < MIN_SPECS):
-            return specs
-        key = id(specs)
-        program = self._programs.get(key)
-        if program is None or program.specs is not specs:
-            program = _make(specs, target, bucket.device if cuda else None)
-            self._programs[key] = program
+        return self.apply_parts([(bucket, specs)], target)[0][1]
+
+    def apply_parts(
+        self, parts: list[Part], target: Callable[[TensorSpec], torch.Tensor | None]
+    ) -> list[Part]:
+        """:meth:`apply` for a bucket in several parts (a direct bucket's regions) at once.
+
+        One program a part, kept together under the first part's spec list, their copies
+        queued in one loop; on CUDA the device and stream are set up once for all. Returns
+        each part with the specs left over (in the order given; empty where all were copied).
+        """
+        first = parts[0][0] if parts else None
+        if first is None or not (first.is_cuda or first.is_cpu):
+            return parts
+        cuda = first.is_cuda
+        if any(bucket.device != first.device for bucket, _ in parts):
+            return parts
+        if not cuda and sum(len(specs) for _, specs in parts) < MIN_SPECS:
+            return parts
+        key = id(parts[0][1])
+        kept = self._programs.get(key)
+        if kept is None or not kept.fits(parts):
+            device = first.device if cuda else None
+            kept = self._programs[key] = _Parts([_make(s, target, device) for _, s in parts])
         self._used.add(key)
+        bases = [bucket.data_ptr() for bucket, _ in parts]
+        if bases != kept.bases:
+            kept.merge(bases)
+        merged = kept.merged
         if cuda:
-            with torch.cuda.device(bucket.device):
-                done = _run(program, bucket.data_ptr(), _device_copy(bucket.device))
+            with torch.cuda.device(first.device):
+                done = _run(merged, 0, _device_copy(first.device))
         else:
-            done = _run(program, bucket.data_ptr(), address_copy)
-        if done == len(program.tensors):
-            return program.rest
-        del self._programs[key]  # a destination has new storage: make it again next time
-        return program.copied[done:] + program.rest
+            done = _run(merged, 0, address_copy)
+        left: list[list[TensorSpec]] = [[] for _ in parts]
+        if done < len(merged.tensors):  # a destination has new storage: made again next time
+            del self._programs[key]
+            for k, spec in zip(kept.part_of[done:], merged.copied[done:], strict=True):
+                left[k].append(spec)
+        return [
+            (bucket, rest + program.rest if rest else program.rest)
+            for (bucket, _), program, rest in zip(parts, kept.programs, left, strict=True)
+        ]
 
     def version_done(self) -> None:
         """A version committed: drop programs it did not use."""

@@ -48,7 +48,7 @@ from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
-from aiosync.engine.sinks import WeightSink
+from aiosync.engine.sinks import WeightSink, apply_parts
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
 from aiosync.planes.cuda_order import ordered_apply, receive_through_plane, with_plane_events
@@ -380,7 +380,10 @@ class WeightReceiver:
         A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
         """
         with ordered_apply(plane, action.buffer):
-            for bucket, specs in held_or_parts(self.held, view_parts(plane, action), action):
+            parts = view_parts(plane, action)
+            if len(parts) > 1 and not action.held:  # a direct bucket's regions: one call
+                return apply_parts(self.sink, parts)
+            for bucket, specs in held_or_parts(self.held, parts, action):
                 self.sink.apply_bucket(bucket, specs)
 
     async def _committed_hook(self, version: int) -> None:

@@ -28,7 +28,7 @@ from aiosync.core.layout import (
     tensor_bytes,
 )
 from aiosync.core.manifest import Expectations, expectations_of, module_tensors
-from aiosync.engine.bulk_apply import CopyPrograms
+from aiosync.engine.bulk_apply import CopyPrograms, Part
 from aiosync.engine.callback_sink import CallbackSink, LoadWeights
 from aiosync.engine.sink_tools import Rename, rename_function, sync_cuda
 from aiosync.engine.staging import SWAPS, Staging, Swap
@@ -49,7 +49,10 @@ class WeightSink(Protocol):
       runs in a worker thread: True when it committed without moving bytes (a pointer
       swap, :meth:`ModuleSink.commit_quickly`);
     - ``part_devices``, for a sink made of one sink per trainer rank: the device each part
-      of a gathered plane is opened on (:attr:`aiosync.topology.RankedSink.part_devices`).
+      of a gathered plane is opened on (:attr:`aiosync.topology.RankedSink.part_devices`);
+    - ``apply_parts(parts)``, one call for a bucket that comes in several (bytes, specs)
+      parts (a direct bucket's trainer regions), where the sink can set its copies up once
+      a bucket (:meth:`ModuleSink.apply_parts`; :func:`apply_parts` says when it is used).
     """
 
     @property
@@ -233,12 +236,28 @@ class ModuleSink:
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         """Copy each spec's bytes into its destination, then wait for the device to finish.
 
-        In place and without a rename, the small tensors of a bucket the session resolved
-        before (the same spec list) are copied by address without per-tensor lookups
+        In place and without a rename, the tensors of a bucket the session resolved before
+        (the same spec list) are copied by address without per-tensor lookups
         (:mod:`aiosync.engine.bulk_apply`).
         """
+        self.apply_parts([(bucket, specs)])
+
+    def apply_parts(self, parts: list[Part]) -> None:
+        """:meth:`apply_bucket` for a bucket in several parts (a direct bucket's regions).
+
+        One call a bucket: in place and without a rename, one copy program a part, set up
+        (device, stream) once for all; everything else spec by spec; one device wait at the
+        end (none while a CUDA plane orders the copies).
+        """
         if self._staging is None and self._rename is None:
-            specs = self._programs.apply(bucket, specs, self._as_is)
+            parts = self._programs.apply_parts(parts, self._as_is)
+        for bucket, specs in parts:
+            if specs:
+                self._copy_specs(bucket, specs)
+        sync_cuda(self._devices)
+
+    def _copy_specs(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        """Copy ``specs`` out of ``bucket`` one by one (renamed, tied, cast, staged, ...)."""
         base = bucket.data_ptr() if bucket.is_cpu else None
         rename, cast = self._rename, self._cast
         once = bool(self._aliases) or rename is not None  # one target may have two names
@@ -263,7 +282,6 @@ class ModuleSink:
                     copy_bytes(dst_bytes, raw)
                 else:
                     copy_bytes(dst_bytes[spec.start : spec.start + spec.nbytes], raw)
-        sync_cuda(self._devices)
 
     def commit(self, version: int) -> None:
         """Staged mode: make every shadow written since the last commit live (``swap``)."""
@@ -310,4 +328,30 @@ class ModuleSink:
         self._assembling.clear()
 
 
-__all__ = ["CallbackSink", "LoadWeights", "ModuleSink", "Rename", "WeightSink"]
+def apply_parts(sink: WeightSink, parts: list[Part]) -> None:
+    """Hand ``sink`` one bucket's parts: in one call where it takes them together.
+
+    That is a sink whose ``apply_parts`` is at least as specific as its ``apply_bucket``
+    (a subclass, or an instance, that overrides only ``apply_bucket`` gets one call a
+    part, as does any other sink).
+    """
+    if len(parts) > 1 and _takes_parts(sink):
+        sink.apply_parts(parts)  # type: ignore[attr-defined]
+        return
+    for bucket, specs in parts:
+        sink.apply_bucket(bucket, specs)
+
+
+def _takes_parts(sink: WeightSink) -> bool:
+    own = getattr(sink, "__dict__", {})
+    if "apply_bucket" in own:
+        return "apply_parts" in own
+    for cls in type(sink).__mro__:
+        if "apply_parts" in cls.__dict__:
+            return True
+        if "apply_bucket" in cls.__dict__:
+            return False
+    return False
+
+
+__all__ = ["CallbackSink", "LoadWeights", "ModuleSink", "Rename", "WeightSink", "apply_parts"]

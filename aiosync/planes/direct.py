@@ -145,12 +145,17 @@ class _Open:
 
 @dataclass
 class _Split:
-    """One bucket's specs split by region (kept while the same spec list comes back)."""
+    """One bucket's regions, checked and opened, and its specs split by them.
+
+    Kept while the same spec list comes back with equal regions still open: the parts
+    (the sink's (bytes, specs) pairs) are then handed out again as they are.
+    """
 
     specs: list[TensorSpec]
+    regions: list[Region]
     keys: list[bytes | str]
-    sizes: list[int]
-    grouped: list[list[TensorSpec]]
+    opened: list[_Open]
+    parts: list[tuple[torch.Tensor, list[TensorSpec]]]
     used: int
 
 
@@ -216,6 +221,36 @@ class DirectReceiverPlane:
             raise ProtocolError(
                 f"direct bucket of {len(regions)} regions (1-{MAX_REGIONS_PER_BUCKET})"
             )
+        if version != self._version:
+            self._next_version(version)
+        kept = self._kept(specs, regions, version)
+        if kept is None:
+            kept = self._checked(used, specs, regions, version)
+        if self._start is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._start)
+        return kept.parts
+
+    def _kept(self, specs: list[TensorSpec], regions: list[Region], version: int) -> _Split | None:
+        """The split of a bucket seen before: the same spec list, equal regions, still open.
+
+        Then nothing is checked or looked up again region by region (the session checked
+        the specs; the regions compare equal to those checked when the split was made).
+        """
+        kept = self._splits.get(id(specs))
+        if kept is None or kept.specs is not specs or kept.regions != regions:
+            return None
+        opened = self._open
+        if any(opened.get(key) is not o for key, o in zip(kept.keys, kept.opened, strict=True)):
+            return None
+        for o in kept.opened:
+            o.used = version
+        kept.used = version
+        return kept
+
+    def _checked(
+        self, used: int, specs: list[TensorSpec], regions: list[Region], version: int
+    ) -> _Split:
+        """Check a bucket's regions, open the new ones, split its specs by region."""
         starts, keys, total = [], [], 0
         for region in regions:
             keys.append(self._check(region))
@@ -225,33 +260,24 @@ class DirectReceiverPlane:
             raise ProtocolError("a region named twice in one bucket")
         if total != used:
             raise ProtocolError(f"regions of {total} bytes for a direct bucket of {used}")
-        if version != self._version:
-            self._next_version(version)
-        views = [
+        opened = [
             self._region(key, region, version) for key, region in zip(keys, regions, strict=True)
         ]
-        grouped = self._split(specs, keys, regions, starts, version)
-        if self._start is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._start)
-        return [(view, group) for view, group in zip(views, grouped, strict=True) if group]
+        grouped = self._split(specs, regions, starts)
+        views = [o.tensor for o in opened]
+        parts = [(view, group) for view, group in zip(views, grouped, strict=True) if group]
+        split = _Split(specs, list(regions), keys, opened, parts, version)
+        self._splits[id(specs)] = split
+        return split
 
     def _split(
-        self,
-        specs: list[TensorSpec],
-        keys: list[bytes | str],
-        regions: list[Region],
-        starts: list[int],
-        version: int,
+        self, specs: list[TensorSpec], regions: list[Region], starts: list[int]
     ) -> list[list[TensorSpec]]:
-        """``specs`` by region, rebased; the same lists again for the same (replayed) specs.
+        """``specs`` by region, rebased (each list kept with its split while specs replay).
 
         Reusing the lists lets a sink reuse what it worked out for them (its copy programs).
         """
         sizes = [region.size for region in regions]
-        kept = self._splits.get(id(specs))
-        if kept is not None and kept.specs is specs and kept.keys == keys and kept.sizes == sizes:
-            kept.used = version
-            return kept.grouped
         grouped: list[list[TensorSpec]] = [[] for _ in regions]
         for spec in specs:
             k = bisect.bisect_right(starts, spec.offset) - 1
@@ -259,7 +285,6 @@ class DirectReceiverPlane:
             if k < 0 or local + spec.nbytes > sizes[k]:
                 raise ProtocolError("bytes run past the end of their region", tensor=spec.name)
             grouped[k].append(msgspec.structs.replace(spec, offset=local))
-        self._splits[id(specs)] = _Split(specs, keys, sizes, grouped, version)
         return grouped
 
     def _check(self, region: Region) -> bytes | str:
@@ -287,7 +312,7 @@ class DirectReceiverPlane:
                 del self._open[key]
                 opened.closer()
 
-    def _region(self, key: bytes | str, region: Region, version: int) -> torch.Tensor:
+    def _region(self, key: bytes | str, region: Region, version: int) -> _Open:
         opened = self._open.get(key)
         if opened is None:
             held = sum(o.size for o in self._open.values())
@@ -299,7 +324,7 @@ class DirectReceiverPlane:
         elif opened.size != region.size:
             raise ProtocolError(f"a region of {opened.size} bytes named as {region.size}")
         opened.used = version
-        return opened.tensor
+        return opened
 
     def close(self) -> None:
         """Close every region and the ring (idempotent)."""
