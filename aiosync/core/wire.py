@@ -97,8 +97,9 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
     ``host``:``port`` under the key prefix of ``token`` (so the token must only travel on
     an authenticated channel), takes the next free rank, and receives each bucket into
     one of ``count`` buffers of ``capacity`` bytes: one broadcast per bucket, or one per
-    tensor when ``per_tensor``. ``timeout_ms`` bounds each collective. ``overlap`` (NCCL,
-    flattened): the engine copies a bucket out while it receives the next one.
+    tensor when ``per_tensor``. ``timeout_ms`` bounds each collective. ``overlap`` is
+    kept for older peers and changes nothing: over NCCL every engine now copies a bucket
+    out while it receives the next one (see :mod:`aiosync.collectives.ordered`).
     """
 
     backend: str
