@@ -8,17 +8,50 @@ answers a :class:`Spot` (region, key, offset) or, for a tensor that must be pack
 reason why, which the sender's report sums up.
 
 CUDA allocations are cached by the driver's buffer id (unique per allocation in the
-process): a tensor is looked up each version, so a tensor moved to new memory is found in
-its new allocation, exported then, and an allocation freed and made again at the same
-address has a new id and a new export. Memory from expandable segments (``cuMemCreate``)
-has no legacy handle: such tensors are packed.
+process): a tensor moved to new memory is found in its new allocation, exported then, and
+an allocation freed and made again at the same address has a new id and a new export.
+Memory from expandable segments (``cuMemCreate``) has no legacy handle: such tensors are
+packed.
+
+Whether a region found before still holds a tensor at the same address is one driver query
+(:meth:`RegionFinder.still`, about 5 µs). :meth:`RegionFinder.marker` and
+:meth:`RegionFinder.allocator_owned` let a sender skip it where it is provably unneeded:
+
+- a region that was, when found, a whole segment of torch's caching allocator on this
+  device (its base is a segment's address in ``torch.cuda.memory_snapshot()``) is released
+  only by that allocator's ``release_block`` (``cudaFree``: ``empty_cache``, an allocation
+  retrying after an out-of-memory, the garbage-collection threshold, a freed private pool),
+  which counts in ``memory_stats``' ``segment.all.freed`` and ``num_device_free``;
+- so while the marker (those counters, read *before* the region was last found or checked)
+  is unchanged, the region is still live at its base and size, and a tensor whose
+  ``data_ptr`` (and extent) is the one it had then is still inside it: live allocations do
+  not overlap. What happened to the tensor object in between (``set_``, ``.data =``, its
+  storage resized to 0 and back as FSDP does, a new storage at the same address) does not
+  matter: the address alone is what is checked;
+- the tensor's own identity is not enough without the marker: a storage resized to 0 and
+  back, or a ``set_`` to a new storage, after ``empty_cache`` released the old segment, can
+  land at the same address in a new ``cudaMalloc`` (same object, same ``data_ptr``, same
+  size, even the same storage object), whose export is another handle;
+- the counters can be reset (``torch.cuda.reset_accumulated_memory_stats``). Since every
+  change to ``current`` changes ``allocated`` or ``freed`` with it, ``current ==
+  allocated - freed`` holds unless a reset happened while a segment existed: the marker is
+  None then (no skipping, for the rest of the process). What it cannot see is a reset
+  while the device held no segment at all (so not the region either) followed by exactly
+  as many segment allocations and frees as before the reset: then a region is checked
+  only when the tensor's address, dtype or shape changed;
+- memory not from the caching allocator (``cudaMalloc`` by another library, the allocator
+  disabled, a pluggable allocator, ``cudaMallocAsync``, CPU segments) is never vouched
+  for: it is checked every version, as is everything where the stats or the snapshot
+  cannot be read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,6 +139,7 @@ class RegionFinder:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._exports: dict[int, CudaRegion | None] = {}  # buffer id -> region (None: refused)
+        self._bases: dict[object, int] = {}  # buffer id -> the allocation's base address
         self._scratch = _Scratch()
 
     def locate(self, tensor: torch.Tensor) -> Spot | str:
@@ -131,6 +165,7 @@ class RegionFinder:
         base, size, buffer_id, capable = found
         if buffer_id not in self._exports:
             self._exports[buffer_id] = _export(base, size) if capable else None
+            self._bases[buffer_id] = base
         region = self._exports[buffer_id]
         if region is None:
             return NOT_EXPORTABLE
@@ -149,9 +184,78 @@ class RegionFinder:
         found_cuda = _attributes(tensor.data_ptr(), self._scratch)
         return found_cuda is not None and found_cuda[2] == spot.key
 
+    def marker(self) -> tuple[int, ...] | None:
+        """Counters that change whenever the caching allocator may have released a segment.
+
+        Those of this device (None: no such signal; check every region each version). Read
+        it *before* the lookups it is to vouch for (see the module's docstring).
+        """
+        if self.device.type != "cuda":
+            return None
+        try:
+            stats = self._stats()
+        except Exception:  # a pluggable allocator, an old torch: no signal
+            return None
+        return allocator_marker(stats)
+
+    def allocator_owned(self, keys: Iterable[object]) -> set[object]:
+        """Those of ``keys`` (found regions) that are caching allocator segments.
+
+        Whole segments of torch's caching allocator on this device, so that :meth:`marker`
+        vouches for them (one ``torch.cuda.memory_snapshot()``).
+        """
+        wanted = {key: self._bases[key] for key in keys if key in self._bases}
+        if not wanted or self.device.type != "cuda":
+            return set()
+        try:
+            bases = self._segment_bases()
+        except Exception:  # the snapshot is not available with this allocator
+            return set()
+        return {key for key, base in wanted.items() if base in bases}
+
+    def _stats(self) -> Mapping[str, Any]:
+        """``torch.cuda.memory_stats_as_nested_dict`` of this device (tests replace it)."""
+        return torch.cuda.memory_stats_as_nested_dict(self.device)
+
+    def _segment_bases(self) -> frozenset[int]:
+        """Addresses of the caching allocator's segments on this device (tests replace it)."""
+        if torch.cuda.memory.get_allocator_backend() != "native":
+            return frozenset()
+        index = self.device.index if self.device.index is not None else 0
+        snapshot = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+        return segment_bases(snapshot, index)
+
     def clear(self) -> None:
         """Forget every export (a closing sender)."""
         self._exports.clear()
+        self._bases.clear()
+
+
+def allocator_marker(stats: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The segment counters of nested ``stats``; None if they are missing or were reset.
+
+    ``segment.all``'s ``allocated`` and ``freed`` with the device alloc and free calls;
+    ``current != allocated - freed`` means the accumulated counters were reset while a
+    segment existed, after which they no longer count every release.
+    """
+    try:
+        segment = stats["segment"]["all"]
+        allocated, freed, current = (int(segment[k]) for k in ("allocated", "freed", "current"))
+        calls = (int(stats.get("num_device_alloc", 0)), int(stats.get("num_device_free", 0)))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if current != allocated - freed:
+        return None
+    return (allocated, freed, *calls)
+
+
+def segment_bases(snapshot: Sequence[Mapping[str, Any]], device: int) -> frozenset[int]:
+    """The base addresses of the non-expandable segments on ``device`` in a snapshot."""
+    return frozenset(
+        int(segment["address"])
+        for segment in snapshot
+        if segment.get("device") == device and not segment.get("is_expandable", False)
+    )
 
 
 def _export(base: int, size: int) -> CudaRegion | None:

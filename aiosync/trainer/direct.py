@@ -10,6 +10,12 @@ tensors in memory without a legacy handle) is packed in the same version, and
 Direct buckets come first (engines copy them while the trainer packs the rest); each spans
 at most :data:`~aiosync.planes.direct.MAX_REGIONS_PER_BUCKET` regions (fewer by default,
 :data:`REGIONS_PER_BUCKET`) and the engine's tensor bound.
+
+The split is kept across versions while the chosen tensors are the same objects at the same
+addresses, dtypes and shapes and every region still holds them. That last check is a lookup
+per region (a driver query on CUDA), skipped for regions that were whole segments of torch's
+caching allocator while its segment counters show no release since the last check: the
+argument is in :mod:`aiosync.planes.direct_regions`.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ class DirectReader:
         self.chosen = chosen
         self.note = ""
         self.direct_bytes = 0
+        self.fresh = False
+        """Whether the last read split its tensors afresh (else it kept the last split)."""
+        self.checked = 0
+        """Lookups the last read made: a region each for a kept split's check (0 when the
+        allocator vouched for every region), or a tensor each for a fresh split."""
         self._kept: _Kept | None = None  # the last version's split, reused while it holds
 
     def _persistent(self, name: str, tensor: torch.Tensor) -> bool:
@@ -77,9 +88,14 @@ class DirectReader:
                 chosen.append((name, tensor))
             else:
                 packed.append((name, tensor))
+        finder = self.plane.finder
+        mark = finder.marker()  # before every lookup it is to vouch for
         kept = self._kept
-        if kept is None or not kept.matches(chosen, self.plane.finder):
-            kept = self._kept = self._split(chosen)
+        if kept is not None and kept.matches(chosen, finder, mark):
+            self.fresh, self.checked = False, kept.checked
+        else:
+            kept = self._kept = self._split(chosen, mark)
+            self.fresh, self.checked = True, len(chosen)
         packed.extend(chosen[i] for i in kept.packed)
         self.note = kept.note
         rest = read_source(packed, None, capacity, max_items, planner)
@@ -95,8 +111,11 @@ class DirectReader:
         every = [*pairs] if rest.pairs is not None else None
         return VersionSource(every, manifest, chain(plans, rest.plans))
 
-    def _split(self, chosen: list[tuple[str, torch.Tensor]]) -> _Kept:
-        """Locate every chosen tensor: which go direct, which are packed, and why."""
+    def _split(self, chosen: list[tuple[str, torch.Tensor]], mark: object) -> _Kept:
+        """Locate every chosen tensor: which go direct, which are packed, and why.
+
+        ``mark`` is the finder's marker read before; None: no region is vouched for.
+        """
         direct: list[tuple[str, torch.Tensor, Spot]] = []
         refused: Counter[str] = Counter()
         refused_bytes = 0
@@ -118,7 +137,9 @@ class DirectReader:
         if refused:
             why = "; ".join(f"{reason} ({n})" for reason, n in refused.most_common())
             note = f"{sum(refused.values())} tensors ({refused_bytes} bytes) packed: {why}"
-        return _Kept(chosen, direct, packed, note)
+        finder = self.plane.finder
+        owned = finder.allocator_owned({s.key for _, _, s in direct}) if mark is not None else set()
+        return _Kept(chosen, direct, packed, note, mark, owned)
 
     def _locate(self, tensor: torch.Tensor) -> Spot | str:
         if _DTYPE_NAMES.get(tensor.dtype) is None:
@@ -136,7 +157,9 @@ class _Kept:
 
     That is: the same tensor objects at the same addresses, dtypes and shapes, and each
     region still the same allocation (or open segment). It holds the tensors (so an id
-    seen again is the same object) until the next change.
+    seen again is the same object) until the next change. Regions in ``owned`` (whole
+    segments of torch's caching allocator) are not looked up while the finder's marker
+    equals ``mark``, the one read before the last lookups.
     """
 
     def __init__(
@@ -145,6 +168,8 @@ class _Kept:
         direct: list[tuple[str, torch.Tensor, Spot]],
         packed: list[int],
         note: str,
+        mark: object = None,
+        owned: set[object] | None = None,
     ) -> None:
         self.chosen = chosen
         self.names = [name for name, _ in chosen]
@@ -161,19 +186,37 @@ class _Kept:
         for _, tensor, spot in direct:
             probes.setdefault(spot.key, (tensor, spot))
         self.probes = list(probes.values())  # one tensor per region
+        owned = owned or set()
+        self.watched = [probe for probe in self.probes if probe[1].key not in owned]
+        self.mark = mark
+        self.checked = 0  # lookups the last match made
 
-    def matches(self, chosen: list[tuple[str, torch.Tensor]], finder: RegionFinder) -> bool:
-        """Whether ``chosen`` is what was split (one comprehension per property)."""
+    def matches(
+        self, chosen: list[tuple[str, torch.Tensor]], finder: RegionFinder, mark: object
+    ) -> bool:
+        """Whether ``chosen`` is what was split (one comprehension per property).
+
+        ``mark``: the finder's marker, read before this call. Equal to the one read before
+        the last lookups, it vouches for the owned regions: only the others are looked up.
+        """
         tensors = [t for _, t in chosen]
-        return (
+        self.checked = 0
+        same = (
             len(chosen) == len(self.ids)
             and [id(t) for t in tensors] == self.ids
             and [name for name, _ in chosen] == self.names
             and [t.data_ptr() for t in tensors] == self.addresses
             and [t.dtype for t in tensors] == self.dtypes
             and all(t.shape == shape for t, shape in zip(tensors, self.shapes, strict=True))
-            and all(finder.still(tensor, spot) for tensor, spot in self.probes)
         )
+        if not same:
+            return False
+        probes = self.watched if mark is not None and mark == self.mark else self.probes
+        self.checked = len(probes)
+        if not all(finder.still(tensor, spot) for tensor, spot in probes):
+            return False
+        self.mark = mark
+        return True
 
 
 def _distinct(

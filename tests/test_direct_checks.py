@@ -1,0 +1,263 @@
+"""The direct-mode trainer's per-version region checks, on the CPU with a fake driver.
+
+A :class:`FakeFinder` stands in for the CUDA driver and torch's caching allocator: it
+places "allocations" over CPU tensors' storages, hands out buffer ids, and keeps the
+allocator's segment counters. The reader keeps its split across versions and looks a
+region up only when the allocator cannot vouch for it (see
+:mod:`aiosync.planes.direct_regions`): these tests count the lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from aiosync.core.layout import MAX_BUCKET_ITEMS
+from aiosync.core.wire import CudaRegion, Region
+from aiosync.planes.direct import DirectPlan
+from aiosync.planes.direct_regions import (
+    RegionFinder,
+    Spot,
+    allocator_marker,
+    segment_bases,
+)
+from aiosync.trainer.direct import DirectReader
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeFinder(RegionFinder):
+    """A device's allocations by base address, as the driver and the allocator see them."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cuda", 0))  # never touches a device: all replaced
+        self.allocations: dict[int, tuple[int, int]] = {}  # base -> (size, buffer id)
+        self.segments: set[int] = set()  # bases the caching allocator owns
+        self.counts = {"allocated": 0, "freed": 0, "current": 0}
+        self.lookups = 0
+        self.snapshots = 0
+        self.stats_fail = False
+        self.during_locate: Any = None  # called inside each locate (a racing free)
+        self._ids = 0
+
+    def allocate(self, tensor: torch.Tensor, *, owned: bool = True) -> None:
+        """An allocation over ``tensor``'s whole storage (a caching segment if ``owned``)."""
+        storage = tensor.untyped_storage()
+        self._ids += 1
+        self.allocations[storage.data_ptr()] = (storage.nbytes(), self._ids)
+        if owned:
+            self.segments.add(storage.data_ptr())
+            self.counts["allocated"] += 1
+            self.counts["current"] += 1
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Free the allocation over ``tensor``'s storage (counted if the allocator's)."""
+        base = tensor.untyped_storage().data_ptr()
+        del self.allocations[base]
+        if base in self.segments:
+            self.segments.discard(base)
+            self.counts["freed"] += 1
+            self.counts["current"] -= 1
+
+    def _find(self, pointer: int) -> tuple[int, int, int] | None:
+        for base, (size, buffer_id) in self.allocations.items():
+            if base <= pointer < base + size:
+                return base, size, buffer_id
+        return None
+
+    def locate(self, tensor: torch.Tensor) -> Spot | str:
+        if self.during_locate is not None:
+            self.during_locate()
+        found = self._find(tensor.data_ptr())
+        if found is None:
+            return "not in any allocation"
+        base, size, buffer_id = found
+        self._bases[buffer_id] = base
+        handle = buffer_id.to_bytes(8, "little") * 8
+        return Spot(CudaRegion(handle, size), buffer_id, tensor.data_ptr() - base)
+
+    def still(self, tensor: torch.Tensor, spot: Spot) -> bool:
+        self.lookups += 1
+        found = self._find(tensor.data_ptr())
+        return found is not None and found[2] == spot.key
+
+    def _stats(self) -> Mapping[str, Any]:
+        if self.stats_fail:
+            raise RuntimeError("not supported by this allocator")
+        return {
+            "segment": {"all": dict(self.counts)},
+            "num_device_alloc": self.counts["allocated"],
+            "num_device_free": self.counts["freed"],
+        }
+
+    def _segment_bases(self) -> frozenset[int]:
+        self.snapshots += 1
+        return frozenset(self.segments)
+
+
+@dataclass
+class FakePlane:
+    finder: FakeFinder
+    count: int = 2
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(64, 32))
+        self.b = torch.nn.Parameter(torch.randn(128))
+        self.c = torch.nn.Parameter(torch.randn(16, 16).to(torch.bfloat16))
+
+
+def setup(*, owned: bool = True) -> tuple[Net, FakeFinder, DirectReader]:
+    net = Net()
+    finder = FakeFinder()
+    for p in net.parameters():
+        finder.allocate(p, owned=owned)
+    reader = DirectReader(FakePlane(finder), True)  # type: ignore[arg-type]
+    return net, finder, reader
+
+
+def read(reader: DirectReader, net: Net) -> list[Region]:
+    """Read a version; the regions its direct buckets name, in order."""
+    source = reader.read(dict(net.named_parameters()), None, 1 << 20, MAX_BUCKET_ITEMS)
+    return [r for plan in source.plans if isinstance(plan, DirectPlan) for r in plan.regions]
+
+
+def test_steady_versions_look_no_region_up() -> None:
+    net, finder, reader = setup()
+    first = read(reader, net)
+    assert reader.fresh
+    assert reader.checked == 3
+    assert len(first) == 3
+    assert finder.snapshots == 1  # which regions the allocator owns: once, at the split
+    for _ in range(5):
+        assert read(reader, net) == first
+        assert not reader.fresh
+        assert reader.checked == 0
+    assert finder.lookups == 0
+    assert finder.snapshots == 1
+
+
+def test_a_released_segment_makes_every_region_looked_up_once() -> None:
+    net, finder, reader = setup()
+    first = read(reader, net)
+    other = torch.empty(1000)
+    finder.allocate(other)
+    finder.release(other)  # empty_cache released some segment: which, nobody says
+    assert read(reader, net) == first
+    assert not reader.fresh
+    assert reader.checked == 3
+    assert finder.lookups == 3
+    assert read(reader, net) == first  # the new counters vouch again
+    assert reader.checked == 0
+    assert finder.lookups == 3
+
+
+def test_a_new_allocation_at_the_same_address_is_found_and_exported_anew() -> None:
+    """The same Parameter object, data_ptr, size and storage, but its segment released
+    (``empty_cache``) and a new one made at the same address: a new region."""
+    net, finder, reader = setup()
+    first = read(reader, net)
+    finder.release(net.b)
+    finder.allocate(net.b)  # the driver handed out the same address again
+    again = read(reader, net)
+    assert reader.fresh
+    assert again[0] == first[0]
+    assert again[2] == first[2]
+    assert again[1] != first[1]  # another handle: the new allocation's
+    assert read(reader, net) == again
+    assert reader.checked == 0
+
+
+def test_memory_the_allocator_does_not_own_is_looked_up_every_version() -> None:
+    net, finder, reader = setup()
+    foreign = torch.nn.Parameter(torch.randn(40))
+    finder.allocate(foreign, owned=False)  # cudaMalloc'd by another library
+    source = {**dict(net.named_parameters()), "foreign": foreign}
+
+    def version() -> list[Region]:
+        plans = reader.read(source, None, 1 << 20, MAX_BUCKET_ITEMS).plans
+        return [r for p in plans if isinstance(p, DirectPlan) for r in p.regions]
+
+    first = version()
+    for _ in range(3):
+        assert version() == first
+        assert reader.checked == 1  # the foreign region alone
+    # that library frees it and allocates again at the same address, uncounted
+    finder.release(foreign)
+    finder.allocate(foreign, owned=False)
+    assert version() != first
+    assert reader.fresh
+
+
+def test_a_tensor_moved_to_other_memory_is_split_again() -> None:
+    net, finder, reader = setup()
+    first = read(reader, net)
+    net.a.data = net.a.data.clone()  # .data = : same object, new address
+    finder.allocate(net.a)
+    again = read(reader, net)
+    assert reader.fresh
+    assert again[0] != first[0]
+
+
+@pytest.mark.parametrize("why", ["reset", "unreadable"])
+def test_without_a_trustworthy_signal_every_region_is_looked_up(why: str) -> None:
+    net, finder, reader = setup()
+    if why == "reset":  # reset_accumulated_memory_stats with segments alive
+        finder.counts.update(allocated=0, freed=0)
+    else:
+        finder.stats_fail = True
+    read(reader, net)
+    assert finder.snapshots == 0  # no signal: nothing to vouch for, no snapshot taken
+    for _ in range(3):
+        read(reader, net)
+        assert reader.checked == 3
+    assert finder.lookups == 9
+
+
+def test_a_release_while_the_split_is_made_is_seen_next_version() -> None:
+    """The marker is read before the lookups it vouches for."""
+    net, finder, reader = setup()
+    spare = torch.empty(10)
+    finder.allocate(spare)
+
+    def race() -> None:
+        finder.during_locate = None  # once
+        finder.release(spare)
+
+    finder.during_locate = race
+    read(reader, net)
+    assert finder.counts["freed"] == 1
+    read(reader, net)
+    assert reader.checked == 3  # the release raced the split: everything looked up
+    read(reader, net)
+    assert reader.checked == 0
+
+
+def test_the_allocator_marker_and_the_snapshot_parser() -> None:
+    stats = {"segment": {"all": {"allocated": 5, "freed": 2, "current": 3}}}
+    assert allocator_marker(stats) == (5, 2, 0, 0)
+    both = {**stats, "num_device_alloc": 6, "num_device_free": 2}
+    assert allocator_marker(both) == (5, 2, 6, 2)
+    reset = {"segment": {"all": {"allocated": 0, "freed": 0, "current": 3}}}
+    assert allocator_marker(reset) is None
+    assert allocator_marker({}) is None
+    assert allocator_marker({"segment": {"all": {"allocated": "x"}}}) is None
+    snapshot = [
+        {"device": 0, "address": 4096, "total_size": 2 << 20},
+        {"device": 1, "address": 8192, "total_size": 2 << 20},
+        {"device": 0, "address": 1 << 40, "total_size": 20 << 20, "is_expandable": True},
+    ]
+    assert segment_bases(snapshot, 0) == frozenset({4096})
+    assert segment_bases(snapshot, 1) == frozenset({8192})
+
+
+def test_a_cpu_finder_vouches_for_nothing() -> None:
+    finder = RegionFinder(torch.device("cpu"))
+    assert finder.marker() is None
+    assert finder.allocator_owned({"memfd-name"}) == set()
