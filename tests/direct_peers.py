@@ -2,24 +2,37 @@
 
 ``python -m tests.direct_peers engine`` serves a model of :func:`shapes` on ``cuda:0``; it
 prints ``ready`` (endpoint) and ``committed`` (version, digests) after each commit.
-``python -m tests.direct_peers trainer --endpoint E --versions N`` holds a :class:`Net` on
-``cuda:0`` (bf16 and fp32 parameters), steps it in place on a side stream before each
-version and sends its parameters in direct mode together with two temporaries (a cast and
-a fresh tensor); right after each send returns it changes every parameter again (the
-snapshot rule: the engine must have read before). Prints ``sent`` (version, digests of
-what was sent, the report's byte split and note).
+``--staged`` stages each version (a failed one leaves the last intact); ``--die-in-version
+V`` exits (``os._exit(9)``, :class:`tests.cuda_peers.DyingSink`) while applying version V's
+second region; ``--answer`` prints ``state`` (current version, digests) for each line on
+its stdin.
+``python -m tests.direct_peers trainer --endpoint E [--endpoint E2] --versions N`` holds a
+:class:`Net` on ``cuda:0`` (bf16 and fp32 parameters), steps it in place on a side stream
+before each version and sends its parameters in direct mode together with two temporaries
+(a cast and a fresh tensor); right after each send returns it changes every parameter
+again (the snapshot rule: the engine must have read before). Prints ``sent`` (version,
+digests of what was sent, the report's byte split, note and committed engines, and whether
+the sender split its tensors afresh and how many lookups it made); a send that raises
+prints ``failed`` (version, error, seconds) and ends the run. ``--churn`` moves parameters
+between versions: before version 3 two get new storages (``.data =`` and ``set_``), before
+version 5 one is freed, ``torch.cuda.empty_cache()`` runs and it gets a storage of the same
+size again (often at the same address, in a new allocation).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 import anyio
 import torch
 
 from aiosync import ModuleSink, ReceiverConfig, SenderConfig, WeightReceiver, WeightSender
+from aiosync.core.errors import AiosyncError
 from aiosync.runtime import run
+from tests.cuda_peers import DyingSink
 from tests.models import digest
 
 
@@ -58,17 +71,47 @@ def step(net: Net, version: int) -> None:
 
 def engine(args: argparse.Namespace) -> None:
     model = {n: torch.zeros(s, dtype=d, device="cuda:0") for n, (d, s) in shapes().items()}
+    dying = DyingSink(model, 0) if args.die_in_version else None
+    sink = dying or ModuleSink(model, staged=args.staged)
+    receiver: WeightReceiver | None = None
+
+    def state() -> dict[str, object]:
+        return {n: digest(t) for n, t in model.items()}
 
     def committed(version: int) -> None:
-        emit("committed", version=version, digests={n: digest(t) for n, t in model.items()})
+        if dying is not None and version == args.die_in_version - 1:
+            dying.die_after = dying.buckets + 2  # the next version's second region
+        emit("committed", version=version, digests=state())
+
+    async def answer() -> None:
+        async for _ in anyio.wrap_file(sys.stdin):
+            assert receiver is not None
+            emit("state", version=receiver.current_version, digests=state())
 
     async def serve() -> None:
+        nonlocal receiver
         config = ReceiverConfig(stream_timeout=60, session_timeout=60)
-        async with WeightReceiver(ModuleSink(model), config=config, on_commit=committed) as rx:
+        async with WeightReceiver(sink, config=config, on_commit=committed) as rx:
+            receiver = rx
             emit("ready", endpoint=rx.endpoint)
+            if args.answer:
+                await answer()
             await anyio.sleep_forever()
 
     run(serve)
+
+
+def churn(net: Net, version: int) -> None:
+    """Move parameters to other memory between versions (see the module's docstring)."""
+    with torch.no_grad():
+        if version == 3:
+            net.big.data = torch.empty_like(net.big)
+            net.up.set_(torch.empty_like(net.up))
+        elif version == 5:
+            shape, dtype = net.big.shape, net.big.dtype
+            net.big.data = torch.empty(0, dtype=dtype, device="cuda:0")
+            torch.cuda.empty_cache()
+            net.big.data = torch.empty(shape, dtype=dtype, device="cuda:0")
 
 
 def trainer(args: argparse.Namespace) -> None:
@@ -76,15 +119,28 @@ def trainer(args: argparse.Namespace) -> None:
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
     async def main() -> None:
-        config = SenderConfig(buffer_bytes=1 << 20, num_buffers=2, direct=True)
+        config = SenderConfig(
+            buffer_bytes=1 << 20, num_buffers=2, direct=True, timeout=args.timeout
+        )
         async with WeightSender(args.endpoint, device="cuda:0", config=config) as sender:
+            reader = sender._direct
+            assert reader is not None
             for version in range(args.versions):
+                before = net.big.data_ptr()
+                if args.churn:
+                    churn(net, version)
                 with torch.cuda.stream(side):
                     step(net, version)
                     tensors: dict[str, torch.Tensor] = dict(net.named_parameters())
                     tensors["up_fp32"] = net.up.detach().float()
                     tensors["noise"] = torch.full((333, 77), version + 0.5, device="cuda:0").half()
-                    report = await sender.send(tensors, version=version)
+                    started = time.monotonic()
+                    try:
+                        report = await sender.send(tensors, version=version)
+                    except AiosyncError as exc:
+                        seconds = time.monotonic() - started
+                        emit("failed", version=version, error=str(exc), seconds=seconds)
+                        return
                     digests = {n: digest(t) for n, t in tensors.items()}
                     with torch.no_grad():  # the engines have read: the trainer may step
                         for p in net.parameters():
@@ -97,6 +153,10 @@ def trainer(args: argparse.Namespace) -> None:
                     packed=report.packed_bytes,
                     note=report.direct_note,
                     params=sum(p.nbytes for p in net.parameters()),
+                    committed=report.committed,
+                    fresh=reader.fresh,
+                    checked=reader.checked,
+                    same_address=net.big.data_ptr() == before,
                 )
 
     run(main)
@@ -105,8 +165,13 @@ def trainer(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=["engine", "trainer"])
-    parser.add_argument("--endpoint", default=None)
+    parser.add_argument("--endpoint", action="append", default=[])
     parser.add_argument("--versions", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--churn", action="store_true")
+    parser.add_argument("--staged", action="store_true")
+    parser.add_argument("--die-in-version", type=int, default=0)
+    parser.add_argument("--answer", action="store_true")
     args = parser.parse_args()
     engine(args) if args.role == "engine" else trainer(args)
 

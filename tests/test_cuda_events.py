@@ -9,51 +9,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import AbstractContextManager
 
 import pytest
 
 from tests.conftest import requires_cuda
+from tests.peer_processes import events, first
+from tests.peer_processes import process as peer_process
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
-ROOT = Path(__file__).resolve().parent.parent
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
-@contextmanager
-def process(*argv: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    from aiosync.runtime import child_env
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.cuda_peers", *argv],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**child_env(), **(env or {})},
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        assert proc.stdout is not None
-        proc.stdout.close()
-
-
-def events(proc: subprocess.Popen[str]) -> Iterator[dict[str, object]]:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        yield json.loads(line)
-
-
-def first(proc: subprocess.Popen[str], kind: str) -> dict[str, object]:
-    for event in events(proc):
-        if event["event"] == kind:
-            return event
-    raise AssertionError(f"no {kind} event; exit {proc.wait(timeout=30)}")
+def process(
+    *argv: str, env: dict[str, str] | None = None
+) -> AbstractContextManager[subprocess.Popen[str]]:
+    """A ``tests.cuda_peers`` process."""
+    return peer_process("tests.cuda_peers", *argv, env=env)
 
 
 def run_pair(
