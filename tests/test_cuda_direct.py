@@ -7,6 +7,7 @@ own IPC handles.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from contextlib import AbstractContextManager, ExitStack
@@ -197,33 +198,43 @@ def test_a_region_claiming_more_than_its_allocation_is_refused() -> None:
         owner.wait(timeout=30)
 
 
+MARKER_PROBE = """
+import json, torch
+from aiosync.planes.cuda_runtime import DeviceMemory
+from aiosync.planes.direct_regions import RegionFinder
+
+finder = RegionFinder(torch.device("cuda", 0))
+tensor = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
+own = DeviceMemory.allocate(2 << 20, 0)  # aiosync's own cudaMalloc: not the allocator's
+ours, theirs = finder.locate(tensor), finder.locate(own.tensor)
+out = {"owned": sorted(k == ours.key for k in finder.allocator_owned({ours.key, theirs.key}))}
+before = finder.marker()
+out["steady"] = before is not None and finder.marker() == before
+del tensor
+torch.cuda.empty_cache()  # the tensor's segment is released
+out["released"] = finder.marker() != before
+keep = torch.empty(1, device="cuda:0")  # a live segment while the counters are reset
+torch.cuda.reset_accumulated_memory_stats(0)
+out["reset"] = finder.marker()
+own.close()
+print(json.dumps(out))
+"""
+
+
 def test_the_allocator_vouches_for_its_own_segments_until_one_is_released() -> None:
-    """In this process: the caching allocator's segment is vouched for, aiosync's own
+    """In a fresh process: the caching allocator's segment is vouched for, aiosync's own
     ``cudaMalloc`` is not; a released segment changes the marker; a reset of the counters
-    while segments live turns the marker off (for the rest of this process)."""
-    import torch
+    while a segment lives turns the marker off."""
+    from aiosync.runtime import child_env
 
-    from aiosync.planes.cuda_runtime import DeviceMemory
-    from aiosync.planes.direct_regions import RegionFinder, Spot
-
-    finder = RegionFinder(torch.device("cuda", 0))
-    torch.cuda.empty_cache()  # so the tensor gets a segment of its own
-    tensor = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
-    own = DeviceMemory.allocate(2 << 20, 0)  # not the allocator's
-    try:
-        ours, theirs = finder.locate(tensor), finder.locate(own.tensor)
-        assert isinstance(ours, Spot)
-        assert isinstance(theirs, Spot)
-        assert finder.allocator_owned({ours.key, theirs.key}) == {ours.key}
-        before = finder.marker()
-        assert before is not None
-        assert finder.marker() == before
-        del tensor
-        torch.cuda.empty_cache()  # the tensor's segment is released
-        assert finder.marker() != before
-        keep = torch.empty(1, device="cuda:0")  # a live segment while the counters reset
-        torch.cuda.reset_accumulated_memory_stats(0)
-        assert finder.marker() is None
-        del keep
-    finally:
-        own.close()
+    probe = subprocess.run(
+        [sys.executable, "-c", MARKER_PROBE],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    found = json.loads(probe.stdout)
+    assert found == {"owned": [True], "steady": True, "released": True, "reset": None}
