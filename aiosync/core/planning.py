@@ -59,17 +59,48 @@ class VersionLayout:
     manifest: list[TensorMeta]
     items: list[BucketPlan | _Chunked] = field(default_factory=list)
 
-    def buckets(self, capacity: int) -> Iterator[BucketPlan]:
+    def buckets(self, capacity: int) -> LayoutPlans:
         """The bucket plans in order; a chunked tensor is made contiguous when reached."""
-        for item in self.items:
+        return LayoutPlans(self.items, capacity)
+
+
+class LayoutPlans(Iterator[BucketPlan]):
+    """A layout's bucket plans in order, knowing when it handed out the last one.
+
+    :attr:`done` is true once the plan just returned was the last, so a packer learns
+    that the version ended without asking for one more plan (and first waiting for a
+    free buffer). Nothing is read ahead: a chunked tensor is made contiguous only when
+    its first chunk is asked for.
+    """
+
+    def __init__(self, items: list[BucketPlan | _Chunked], capacity: int) -> None:
+        self._items = iter(items)
+        self._left = len(items)
+        self._capacity = capacity
+        self._chunks: Iterator[BucketPlan] | None = None
+        self.done = not items
+
+    def __next__(self) -> BucketPlan:
+        while True:
+            if self._chunks is not None:
+                plan = next(self._chunks, None)
+                if plan is not None:
+                    self.done = bool(plan.whole) and self._left == 0  # a tensor's last chunk
+                    return plan
+                self._chunks = None
+            item = next(self._items)  # StopIteration: no plan left
+            self._left -= 1
             if isinstance(item, BucketPlan):
-                yield item
-                continue
-            meta = item.meta
-            spec = TensorSpec(meta.name, meta.dtype, meta.shape, 0, item.nbytes)
-            for plan in chunk_plans(item.tensor, spec, capacity):
-                plan.entries.append(item.entry)
-                yield plan
+                self.done = self._left == 0
+                return item
+            self._chunks = self._chunked(item)
+
+    def _chunked(self, item: _Chunked) -> Iterator[BucketPlan]:
+        meta = item.meta
+        spec = TensorSpec(meta.name, meta.dtype, meta.shape, 0, item.nbytes)
+        for plan in chunk_plans(item.tensor, spec, self._capacity):
+            plan.entries.append(item.entry)
+            yield plan
 
 
 def lay_out(

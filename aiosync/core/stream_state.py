@@ -22,7 +22,10 @@ from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec, dtype_from_name, validate_specs
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations, TensorMeta, missing_error
-from aiosync.core.wire import Begin, Bucket, Complete, Slot
+from aiosync.core.wire import Begin, Bucket, Complete, Message, Slot
+
+LIGHT_ENTRIES = 1024
+"""Manifest entries up to which an unchanged manifest is recognised on the event loop."""
 
 
 def check_manifest_form(manifest: list[TensorMeta], max_name_length: int) -> None:
@@ -92,6 +95,23 @@ def open_stream(
         if expectations is not None:
             expectations.check_manifest(manifest)
     return StreamState(begin.version, manifest, expectations, begin.empty)
+
+
+def light(message: Message, stream: StreamState | None, memory: StreamMemory | None) -> bool:
+    """Whether ``message``'s checks are bounded work now, although it names many tensors.
+
+    A ``begin`` whose manifest equals the remembered one skips its checks (one comparison,
+    bounded by :data:`LIGHT_ENTRIES`); a ``complete`` of a stream with a manifest, not
+    left half replayed, compares counts only. Anything else: False (the caller decides).
+    """
+    if isinstance(message, Begin):
+        manifest = message.manifest
+        if manifest is None or memory is None or len(manifest) > LIGHT_ENTRIES:
+            return False
+        return len(manifest) == len(memory.manifest) and memory.same_manifest(manifest)
+    if isinstance(message, Complete):
+        return stream is not None and stream.version == message.version and stream.light_complete
+    return False
 
 
 @dataclass
@@ -242,6 +262,14 @@ class StreamState:
             raise ProtocolError(
                 f"sent in {pieces + 1} pieces, manifest said {planned}", tensor=name
             )
+
+    @property
+    def light_complete(self) -> bool:
+        """Whether :meth:`check_whole` compares counts only (no walk over the tensors)."""
+        if self.manifest is None:
+            return self.expectations is None
+        replay = self.replay
+        return not self._replaying or replay is None or len(self.records) == len(replay.records)
 
     def check_whole(self, complete: Complete) -> None:
         """Raise unless everything the sender counted arrived and the sink's needs are met.

@@ -5,11 +5,13 @@ that bucket) and publishes it; per engine, a send task sends each bucket message
 task matches the engine's acks. A buffer is free again once every live engine acked it (the
 :class:`~aiosync.pipeline.ledger.BufferLedger`), so the ring of buffers is the backpressure:
 with ``N`` buffers at most ``N`` buckets are in flight, to every engine at once.
+Once the last bucket went out, a ``tail`` (if given) sends each live engine's closing
+messages at once, before its acks are in (the stream's end, see ``StreamRun``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +62,11 @@ class BucketFanout:
         guard: Guard,
         progress: ProgressCallback | None,
         packed: anyio.Event | None = None,
+        tail: Callable[[EngineLink], Awaitable[None]] | None = None,
     ) -> None:
         self.links = links
+        self._tail = tail  # sent on each link after its last bucket, once all are packed
+        self.finished = False  # every planned bucket was packed and handed to the links
         self.packed = packed  # set once every byte of the version is in a buffer
         self.plane = plane
         self.version = version
@@ -126,12 +131,7 @@ class BucketFanout:
                     self._pack_next, plans, index, limiter=self._limiter
                 )
                 if packed is None:
-                    drain = getattr(self.plane, "drain", None)  # sends still reading
-                    if drain is not None:
-                        await drain()
-                    if self.packed is not None and not self._direct_sent:
-                        self.packed.set()  # the trainer may change its tensors again
-                    return
+                    return await self._end_packing()
                 if not packed.direct:
                     await self.plane.publish(index, packed.plan.used)
                 live = self.vote.live + self._following
@@ -143,9 +143,20 @@ class BucketFanout:
                         # the engine's stage is failing and not yet counted out: let go
                         if ledger.release(index, name) is not None:
                             freed.send_nowait(index)
+                if getattr(plans, "done", False):  # that was the last plan (a layout's)
+                    return await self._end_packing()
         finally:
             for outbox in outboxes.values():
                 outbox.close()
+
+    async def _end_packing(self) -> None:
+        """Every bucket is packed: wait for the plane's sends, then let the trainer go on."""
+        drain = getattr(self.plane, "drain", None)  # sends still reading
+        if drain is not None:
+            await drain()
+        if self.packed is not None and not self._direct_sent:
+            self.packed.set()  # the trainer may change its tensors again
+        self.finished = True
 
     def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> _Packed | None:
         """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""
@@ -264,6 +275,8 @@ class BucketFanout:
         async with outbox, inflight:
             async for packed in outbox:
                 await self._send_one(link, packed, inflight)
+            if self._tail is not None and self.finished:  # not after a failed packing
+                await self._tail(link)
 
     async def _send_one(
         self, link: EngineLink, packed: _Packed, inflight: Sending[_Packed]

@@ -4,7 +4,10 @@ The buckets go out through a :class:`~aiosync.pipeline.fanout.BucketFanout` (eac
 once, read by every engine). Commit is two-phase
 (:class:`~aiosync.core.trainer_session.FleetVote`): engines first report the version
 complete and checked, then all are told to commit; what a failure does depends on the
-:class:`~aiosync.core.trainer_session.Policy`.
+:class:`~aiosync.core.trainer_session.Policy`. Where an engine's commit can depend on
+nothing but its own completion check (one engine, or policy ``available``), its ``commit``
+follows its ``complete`` without waiting for the ack: one round trip instead of two (see
+:meth:`StreamRun._may_commit_at_once` and docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import anyio
+import msgspec
 
 from aiosync.core.errors import (
     AiosyncError,
@@ -33,6 +37,40 @@ from aiosync.runtime import unwrap_group
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 1.0
+LOOP_ENTRIES = 1024
+"""Manifest entries up to which the ``begin`` is encoded on the event loop (about 70 µs)."""
+
+
+class _RawBegin(msgspec.Struct, frozen=True, tag="begin"):
+    """A :class:`~aiosync.core.wire.Begin` whose manifest is already msgpack: same bytes."""
+
+    version: int
+    manifest: msgspec.Raw | None = None
+    empty: bool = False
+    rebase: bool = False
+
+
+class _ManifestBytes:
+    """The last manifest encoded, by identity: a sender's unchanged layout reuses its list.
+
+    (:class:`~aiosync.core.layout_memory.LayoutMemory` hands the same list out while the
+    names, dtypes and shapes hold, so a hit costs no per-entry work.)
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[list[TensorMeta], msgspec.Raw] | None = None
+
+    def get(self, manifest: list[TensorMeta]) -> msgspec.Raw | None:
+        last = self._last
+        return last[1] if last is not None and last[0] is manifest else None
+
+    def put(self, manifest: list[TensorMeta]) -> msgspec.Raw:
+        raw = msgspec.Raw(msgspec.msgpack.encode(manifest))
+        self._last = (manifest, raw)  # holding the list: its id is never reused meanwhile
+        return raw
+
+
+_MANIFESTS = _ManifestBytes()
 
 
 class StreamRun:
@@ -64,6 +102,8 @@ class StreamRun:
         self.progress = progress
         self._fanout: BucketFanout | None = None
         self._outcomes: dict[str, EngineOutcome] = {}
+        self._at_once = False  # each engine's commit follows its complete (see below)
+        self._tailed: set[str] = set()  # engines sent complete and commit after the buckets
         # the send's start (before the sender read its tensors), for the report's seconds
         self._started = time.perf_counter() if started is None else started
 
@@ -72,32 +112,43 @@ class StreamRun:
     async def run(self, plans: Iterator[BucketPlan]) -> SyncReport:
         """Stream every planned bucket to every engine, then commit under the policy."""
         try:
-            payload: bytes | None = await anyio.to_thread.run_sync(self._begin_message)
+            if self._begin_is_cheap():
+                payload: bytes | None = self._begin_message()  # no thread hop
+            else:
+                payload = await anyio.to_thread.run_sync(self._begin_message)
             if not self._may_stream_before_accepted():
                 await self._each(self._begin, payload)
                 payload = None
+            self._at_once = self._may_commit_at_once()
             if self.vote.verdict() is not Verdict.ABORT:
                 await self._stream(plans, payload)
             if self._check_snapshot is not None:  # before any engine may commit
                 await anyio.to_thread.run_sync(self._check_snapshot)
             if self.vote.verdict() is not Verdict.ABORT:
-                await self._each(self._complete)
+                await self._each(self._complete_and_commit if self._at_once else self._complete)
         except BaseException:
             await self._abort("the trainer failed mid-stream")
             raise
         if self.vote.verdict() is not Verdict.COMMIT:
             await self._abort("another engine failed")
             raise self.vote.failure(self.version)
-        await self._each(self._commit, only=list(self.vote.prepared))
+        due = [name for name in self.vote.prepared if name not in self._outcomes]
+        await self._each(self._commit, only=due)
         return self._report()
 
     def _begin_message(self) -> bytes:
         """The encoded ``begin``; without the manifest when an engine could not take it.
 
         A version past an engine's limits on manifest size still streams: each bucket then
-        names its tensors, and the engine checks coverage when the version completes.
+        names its tensors, and the engine checks coverage when the version completes. The
+        manifest's bytes are kept: the next version with the same manifest list reuses them.
         """
-        payload = encode(Begin(self.version, self.manifest, **self.flags))
+        manifest, raw = self.manifest, None
+        if manifest is not None:
+            raw = _MANIFESTS.get(manifest)
+            if raw is None:
+                raw = _MANIFESTS.put(manifest)
+        payload = msgspec.msgpack.encode(_RawBegin(self.version, raw, **self.flags))
         limits = [link.session.limits for link in self.links.values()]
         too_many = len(self.manifest or ()) > min(x.max_manifest_tensors for x in limits)
         if self.manifest is not None and (
@@ -108,6 +159,16 @@ class StreamRun:
             payload = encode(Begin(self.version, None, **self.flags))
         return payload
 
+    def _begin_is_cheap(self) -> bool:
+        """Whether encoding the ``begin`` is bounded work (then it runs on the loop).
+
+        True for a small manifest, or one whose bytes are kept from the last version.
+        """
+        manifest = self.manifest
+        if not manifest or len(manifest) <= LOOP_ENTRIES:
+            return True
+        return _MANIFESTS.get(manifest) is not None
+
     def _may_stream_before_accepted(self) -> bool:
         """Whether buckets may follow ``begin`` before the engines accepted it.
 
@@ -117,6 +178,24 @@ class StreamRun:
         others would apply (in place) part of a version that one refusal dooms, so there
         every engine accepts first.
         """
+        return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
+
+    def _may_commit_at_once(self) -> bool:
+        """Whether each engine's ``commit`` may follow its ``complete`` before the ack.
+
+        Two phases exist so that no engine commits before every required engine
+        prepared. With one engine, or under policy ``available``, the vote's decision for
+        an engine is its own completion check and nothing else: it commits if and only if
+        it prepared. The engine answers its messages in order, and refuses a ``commit``
+        of a stream whose completion check failed ("stream already failed", nothing made
+        live), so sending both at once decides exactly as two phases would, one round
+        trip sooner. Not for a REQ socket (one message awaiting its reply), nor for a
+        subclass that adds to the prepare phase (a topology's vote across engines).
+        """
+        if type(self)._complete is not StreamRun._complete:
+            return False
+        if any(self.links[name].window is not None for name in self.vote.live):
+            return False
         return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
 
     async def _each(
@@ -180,6 +259,42 @@ class StreamRun:
         await link.request(encode(message), seq, "completion check", self.version)
         self.vote.prepare(link.name)
 
+    async def _send_ends(self, link: EngineLink) -> None:
+        """Send ``complete`` and ``commit`` to ``link`` without waiting for an ack.
+
+        The fanout calls this right after the link's last bucket (when no snapshot check
+        stands between the packing and the commit): the engine takes its messages in
+        order, so it checks the version whole only after applying every bucket, and its
+        completion check counts what it applied, so nothing short is ever prepared.
+        """
+        if link.name not in self.vote.live or link.name in self._tailed:
+            return
+        self._tailed.add(link.name)
+        sent = self._sent()
+        seq = sent.buckets + 1
+        complete = encode(Complete(self.version, seq, sent.buckets, sent.tensors))
+        await link.send(complete, "completion check", self.version)
+        link.session.sent(seq)
+        await link.send(encode(Commit(self.version, seq + 1)), "commit", self.version)
+        link.session.sent(seq + 1)
+
+    async def _complete_and_commit(self, link: EngineLink) -> None:
+        """``complete`` and ``commit`` sent together; prepared, then committed, by their acks.
+
+        A refused completion raises (the commit's ack is then a leftover the link skips);
+        a refused commit after a good completion is an engine lost after prepare.
+        """
+        await self._send_ends(link)  # unless the fanout sent them after the last bucket
+        ack = await link.recv_ack("ack for completion check", self.version)
+        if not ack.ok:
+            raise link.refusal(ack, "completion check")
+        self.vote.prepare(link.name)
+        ack = await link.recv_ack("ack for commit", self.version)
+        if not ack.ok:
+            raise link.refusal(ack, "commit")
+        link.session.committed()
+        self._outcomes[link.name] = self._outcome(link, "committed")
+
     async def _commit(self, link: EngineLink) -> None:
         seq = self._sent().buckets + 2
         await link.request(encode(Commit(self.version, seq)), seq, "commit", self.version)
@@ -212,6 +327,7 @@ class StreamRun:
             guard=self._guard,
             progress=self.progress,
             packed=self._packed,
+            tail=self._send_ends if self._at_once and self._check_snapshot is None else None,
         )
         self._fanout = fanout
         await fanout.run(plans, begin)

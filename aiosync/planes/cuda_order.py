@@ -72,8 +72,9 @@ async def receive_through_plane(
 ) -> list[Action]:
     """``machine.receive(peer, message)``, with the hooks of a plane that queues collectives.
 
-    ``in_thread``: receive in a worker thread. The hooks are duck-typed (other planes are
-    untouched):
+    ``in_thread``: receive in a worker thread, unless the machine says the message's
+    checks are bounded work now (``machine.light``: no thread hop). The hooks are
+    duck-typed (other planes are untouched):
 
     - before a ``complete``, ``plane.settle()`` waits for the receives still queued on the
       GPU (under the plane's deadline); a failure refuses the completion;
@@ -84,6 +85,8 @@ async def receive_through_plane(
     if isinstance(message, Complete) and (error := await _settled(plane)):
         return machine.apply_failed(peer, message.seq, error)
     now = time.monotonic()
+    if in_thread and machine.light(peer, message):  # an unchanged manifest, a count check
+        in_thread = False
     if in_thread:
         actions = await anyio.to_thread.run_sync(machine.receive, peer, message, now)
     else:
