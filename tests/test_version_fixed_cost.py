@@ -228,26 +228,40 @@ class _SlowLast(ModuleSink):
         super().apply_bucket(bucket, specs)
 
 
-@pytest.mark.parametrize("snapshot", [False, True])
-async def test_the_completion_follows_the_last_bucket_unless_a_snapshot_check_stands_between(
-    snapshot: bool, order: list[tuple[str, str, int]]
+@pytest.mark.parametrize(
+    ("engines", "snapshot", "commit_early"),
+    [(1, False, True), (1, True, False), (2, False, False), (2, True, False)],
+    ids=["one", "one-snapshot", "two-all", "two-all-snapshot"],
+)
+async def test_the_completion_follows_the_last_bucket_and_the_commit_where_nothing_stands_between(
+    engines: int, snapshot: bool, commit_early: bool, order: list[tuple[str, str, int]]
 ) -> None:
+    """The completion always goes right after the last bucket (a prepare commits nothing);
+    the commit too with one engine, but not over a snapshot check or a fleet's vote."""
     base = mixed_weights()
-    target = zeros_like(base)
+    targets = [zeros_like(base) for _ in range(engines)]
+    sinks = [_SlowLast(target, staged=True) for target in targets]
     config = SenderConfig(buffer_bytes=64 * 1024, timeout=10, check_snapshot=snapshot)
     async with (
-        receivers([target], [_SlowLast(target, staged=True)]) as (engine,),
-        WeightSender(engine.endpoint, config=config) as sender,
+        receivers(targets, sinks) as fleet,  # type: ignore[arg-type]
+        WeightSender([e.endpoint for e in fleet], config=config) as sender,
     ):
         for version in range(2):
             order.clear()
             report = await sender.send(bump(base, version).items(), version=version)
-            assert engine.current_version == version
-            assert_same(target, contiguous(bump(base, version)))
-            marks = [(kind, seq) for _, kind, seq in order]
+            assert [e.current_version for e in fleet] == [version] * engines
+            for target in targets:
+                assert_same(target, contiguous(bump(base, version)))
             last, complete = report.buckets, report.buckets + 1
-            early = marks.index(("sent", complete)) < marks.index(("acked", last))
-            assert early is not snapshot
+            for engine in fleet:
+                marks = [(kind, seq) for peer, kind, seq in order if peer == engine.endpoint]
+                acked_last = marks.index(("acked", last))
+                assert marks.index(("sent", complete)) < acked_last
+                assert (marks.index(("sent", complete + 1)) < acked_last) is commit_early
+            if engines > 1:  # no commit before every engine prepared
+                acks = [i for i, e in enumerate(order) if e[1:] == ("acked", complete)]
+                commits = [i for i, e in enumerate(order) if e[1:] == ("sent", complete + 1)]
+                assert max(acks) < min(commits)
 
 
 class _RefusesLast(ModuleSink):
@@ -281,3 +295,56 @@ async def test_a_refused_last_bucket_with_the_ends_in_flight_commits_nothing() -
         await sender.send(bump(base, 2).items(), version=2)
         assert engine.current_version == 2
         assert_same(target, contiguous(bump(base, 2)))
+
+
+# --------------------------------------------------------------------------------------
+# several engines under 'all': bucket 1 is packed while the engines check the begin
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("refused", [False, True])
+async def test_under_all_bucket_1_is_packed_early_but_published_only_once_all_accepted(
+    refused: bool, order: list[tuple[str, str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiosync.pipeline.fanout import BucketFanout
+    from aiosync.planes.shm import ShmSenderPlane
+
+    pack_next, publish = BucketFanout._pack_next, ShmSenderPlane.publish
+    gated: list[bool] = []  # per packing: whether the engines' answers were still awaited
+
+    def spy_pack(self: BucketFanout, *args: Any) -> Any:
+        gated.append(self._gate is not None)
+        return pack_next(self, *args)
+
+    async def spy_publish(self: ShmSenderPlane, index: int, used: int) -> None:
+        order.append(("plane", "published", index))
+        await publish(self, index, used)
+
+    monkeypatch.setattr(BucketFanout, "_pack_next", spy_pack)
+    monkeypatch.setattr(ShmSenderPlane, "publish", spy_publish)
+    base = mixed_weights()
+    targets = [zeros_like(base), refusing_target(base) if refused else zeros_like(base)]
+    before = [{k: v.clone() for k, v in t.items()} for t in targets]
+    async with (
+        receivers(targets) as engines,
+        WeightSender([e.endpoint for e in engines], config=SMALL) as sender,
+    ):
+        if refused:
+            with pytest.raises(RejectedError, match="model has"):
+                await sender.send(base.items(), version=0)
+            assert [e.current_version for e in engines] == [None, None]
+            assert gated == [True]  # bucket 1 packed, then the refusal: nothing more
+            assert not [e for e in order if e[1] == "published"]
+            assert not [e for e in order if e[1:] == ("sent", 1)]
+            for target, old in zip(targets, before, strict=True):
+                assert_same(target, old)
+            return
+        report = await sender.send(base.items(), version=0)
+        assert report.committed == [e.endpoint for e in engines]
+        assert gated[0] is True
+        assert not any(gated[1:])
+        last_begin_ack = max(i for i, e in enumerate(order) if e[1:] == ("acked", 0))
+        first_out = min(
+            i for i, e in enumerate(order) if e[1] == "published" or e[1:] == ("sent", 1)
+        )
+        assert last_begin_ack < first_out

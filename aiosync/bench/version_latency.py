@@ -20,6 +20,9 @@ serving loop and when each ack is handed to its channel. Per version it reports 
   reaching its loop to its last ack handed over);
 - ``total``: the call to the return.
 
+With ``--engines N`` (policy ``all``), a version goes to N engine processes; acks count
+once every engine's is in, and the engine side's marks are the first engine's.
+
 Nothing is asserted: this is a measurement, printed as a table and as one JSON line.
 """
 
@@ -165,10 +168,11 @@ def engine(args: argparse.Namespace) -> None:
 
 
 def _at(marks: list[Mark], kind: str, version: int, seq: int) -> float:
-    for k, v, s, t in marks:
-        if (k, v, s) == (kind, version, seq):
-            return t
-    return float("nan")
+    """When the first ``kind`` mark of ``seq`` was made; for acks, the last (every engine's)."""
+    found = [t for k, v, s, t in marks if (k, v, s) == (kind, version, seq)]
+    if not found:
+        return float("nan")
+    return found[-1] if kind == "acked" else found[0]
 
 
 def phases(
@@ -200,15 +204,30 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
 
     marks: list[Mark] = []
     trainer_marks(marks)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aiosync.bench.version_latency", "--role", "engine",
-         "--scale", str(args.scale)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
-    )  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "aiosync.bench.version_latency",
+                "--role",
+                "engine",
+                "--scale",
+                str(args.scale),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for _ in range(args.engines)
+    ]
+    proc = procs[0]  # its marks are the engine side's
     assert proc.stdin is not None
     assert proc.stdout is not None
     try:
-        endpoints = json.loads(proc.stdout.readline())
+        each = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+        endpoints = {case: [e[case] for e in each] for case in ("llama", "one")}
         runs: dict[str, list[tuple[int, float, float, int]]] = {}
 
         async def stream(case: str) -> None:
@@ -232,11 +251,16 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
                 await stream(case)
 
         run(main)
-        proc.stdin.write("dump\n")
-        proc.stdin.flush()
+        for each_proc in procs:  # every engine prints its marks and exits
+            assert each_proc.stdin is not None
+            each_proc.stdin.write("dump\n")
+            each_proc.stdin.flush()
         theirs = [tuple(m) for m in json.loads(proc.stdout.readline())["marks"]]
+        for other in procs[1:]:
+            other.stdout.readline()  # type: ignore[union-attr]  # read, so it can exit
     finally:
-        stop_process(proc, 5.0)
+        for each_proc in procs:
+            stop_process(each_proc, 5.0)
     result: dict[str, Any] = {}
     for case, done in runs.items():
         # the two cases share version numbers: split the marks by time
@@ -261,6 +285,7 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=256)
     parser.add_argument("--buckets", type=int, default=16)
     parser.add_argument("--buffers", type=int, default=2)
+    parser.add_argument("--engines", type=int, default=1, help="engine processes (policy all)")
     args = parser.parse_args()
     if args.role == "engine":
         engine(args)

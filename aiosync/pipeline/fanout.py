@@ -67,6 +67,7 @@ class BucketFanout:
         self.links = links
         self._tail = tail  # sent on each link after its last bucket, once all are packed
         self.finished = False  # every planned bucket was packed and handed to the links
+        self._gate: anyio.Event | None = None  # set once every engine answered the begin
         self.packed = packed  # set once every byte of the version is in a buffer
         self.plane = plane
         self.version = version
@@ -88,8 +89,18 @@ class BucketFanout:
         self.direct_bytes = 0  # of ``acked``, read in place (direct mode)
         self._direct_sent = False  # then the trainer's tensors are read until the commit
 
-    async def run(self, plans: Iterator[BucketPlan], begin: bytes | None) -> None:
-        """Stream every planned bucket to every live engine (opening with ``begin`` if given)."""
+    async def run(
+        self,
+        plans: Iterator[BucketPlan],
+        begin: bytes | None,
+        opening: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Stream every planned bucket to every live engine (opening with ``begin`` if given).
+
+        ``opening`` (the engines' acceptance of a begin sent and answered apart) runs while
+        bucket 1 is packed; nothing is published or sent before it ended, and nothing at
+        all if it left the version hopeless (a refusal under policy ``all``).
+        """
         count = self.plane.count
         begin_version = getattr(self.plane, "begin_version", None)
         if begin_version is not None:  # a CUDA plane packs on this (the caller's) stream
@@ -105,7 +116,27 @@ class BucketFanout:
                 outboxes[name] = tx
                 link = self.links[name]
                 tg.start_soon(self._guard, tg, link, self._link_stage, rx, ledger, free_tx, begin)
+            if opening is not None:
+                self._gate = anyio.Event()
+                tg.start_soon(self._open_all, opening, self._gate)
             await self._pack_stage(plans, (free_tx, free_rx), ledger, outboxes)
+
+    async def _open_all(self, opening: Callable[[], Awaitable[None]], gate: anyio.Event) -> None:
+        try:
+            await opening()
+        finally:
+            gate.set()
+
+    async def _accepted(self, gate: anyio.Event) -> bool:
+        """Wait for every engine's answer to the begin; whether the version may still go."""
+        self._gate = None
+        with anyio.move_on_after(2 * self.timeout) as scope:  # a backstop: links time out
+            await gate.wait()
+        if scope.cancelled_caught:
+            raise SyncTimeoutError(
+                f"no answer to the begin within {2 * self.timeout:g}s", version=self.version
+            )
+        return not self.vote.hopeless
 
     async def _pack_stage(
         self,
@@ -132,6 +163,8 @@ class BucketFanout:
                 )
                 if packed is None:
                     return await self._end_packing()
+                if self._gate is not None and not await self._accepted(self._gate):
+                    return  # refused under policy 'all': bucket 1 packed, never published
                 if not packed.direct:
                     await self.plane.publish(index, packed.plan.used)
                 live = self.vote.live + self._following

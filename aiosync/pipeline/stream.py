@@ -12,9 +12,10 @@ follows its ``complete`` without waiting for the ack: one round trip instead of 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import anyio
 import msgspec
@@ -103,7 +104,7 @@ class StreamRun:
         self._fanout: BucketFanout | None = None
         self._outcomes: dict[str, EngineOutcome] = {}
         self._at_once = False  # each engine's commit follows its complete (see below)
-        self._tailed: set[str] = set()  # engines sent complete and commit after the buckets
+        self._ends_sent: dict[str, int] = {}  # per engine: complete (1) and commit (2) sent
         # the send's start (before the sender read its tensors), for the report's seconds
         self._started = time.perf_counter() if started is None else started
 
@@ -116,12 +117,13 @@ class StreamRun:
                 payload: bytes | None = self._begin_message()  # no thread hop
             else:
                 payload = await anyio.to_thread.run_sync(self._begin_message)
-            if not self._may_stream_before_accepted():
-                await self._each(self._begin, payload)
+            opening = None
+            if not self._may_stream_before_accepted():  # bucket 1 is packed meanwhile
+                opening = functools.partial(self._each, self._begin, payload)
                 payload = None
             self._at_once = self._may_commit_at_once()
             if self.vote.verdict() is not Verdict.ABORT:
-                await self._stream(plans, payload)
+                await self._stream(plans, payload, opening)
             if self._check_snapshot is not None:  # before any engine may commit
                 await anyio.to_thread.run_sync(self._check_snapshot)
             if self.vote.verdict() is not Verdict.ABORT:
@@ -176,7 +178,7 @@ class StreamRun:
         at once costs nothing to an engine that refuses; it saves the round trip and the
         engine's check of the manifest. But under policy ``all`` with several engines, the
         others would apply (in place) part of a version that one refusal dooms, so there
-        every engine accepts first.
+        every engine accepts first (while bucket 1 is packed, not yet published).
         """
         return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
 
@@ -253,30 +255,54 @@ class StreamRun:
         await link.request(payload, 0, "the version's manifest", self.version)
 
     async def _complete(self, link: EngineLink) -> None:
-        sent = self._sent()
-        seq = sent.buckets + 1
-        message = Complete(self.version, seq, sent.buckets, sent.tensors)
-        await link.request(encode(message), seq, "completion check", self.version)
+        if self._ends_sent.get(link.name):  # sent after the last bucket: the ack is due
+            ack = await link.recv_ack("ack for completion check", self.version)
+            if not ack.ok:
+                raise link.refusal(ack, "completion check")
+        else:
+            sent = self._sent()
+            seq = sent.buckets + 1
+            message = Complete(self.version, seq, sent.buckets, sent.tensors)
+            await link.request(encode(message), seq, "completion check", self.version)
         self.vote.prepare(link.name)
 
-    async def _send_ends(self, link: EngineLink) -> None:
-        """Send ``complete`` and ``commit`` to ``link`` without waiting for an ack.
+    def _tail_ends(self) -> int:
+        """What each engine is sent right after its last bucket, without waiting for acks.
 
-        The fanout calls this right after the link's last bucket (when no snapshot check
-        stands between the packing and the commit): the engine takes its messages in
-        order, so it checks the version whole only after applying every bucket, and its
-        completion check counts what it applied, so nothing short is ever prepared.
+        2: ``complete`` and ``commit`` (:meth:`_may_commit_at_once`, and no snapshot check
+        stands between the packing and a commit); 1: ``complete`` only (a prepare commits
+        nothing: the vote, or the snapshot check, still comes before any commit); 0: none,
+        for a REQ socket (one message awaiting its reply) or a subclass whose prepare
+        phase sends its own messages (a topology's vote).
         """
-        if link.name not in self.vote.live or link.name in self._tailed:
+        if type(self)._complete is not StreamRun._complete:
+            return 0
+        if any(self.links[name].window is not None for name in self.vote.live):
+            return 0
+        return 2 if self._at_once and self._check_snapshot is None else 1
+
+    async def _send_ends(self, link: EngineLink, upto: int) -> None:
+        """Send ``link`` its ``complete`` (1) and then ``commit`` (2), up to ``upto``.
+
+        No ack is awaited, and what went already is not sent again. The fanout calls this
+        right after the link's last bucket: the engine takes its messages in order, so it
+        checks the version whole only after applying every bucket, and its completion
+        check counts what it applied, so nothing short is ever prepared.
+        """
+        if link.name not in self.vote.live:
             return
-        self._tailed.add(link.name)
+        done = self._ends_sent.get(link.name, 0)
         sent = self._sent()
         seq = sent.buckets + 1
-        complete = encode(Complete(self.version, seq, sent.buckets, sent.tensors))
-        await link.send(complete, "completion check", self.version)
-        link.session.sent(seq)
-        await link.send(encode(Commit(self.version, seq + 1)), "commit", self.version)
-        link.session.sent(seq + 1)
+        if done < 1 <= upto:
+            self._ends_sent[link.name] = 1
+            complete = encode(Complete(self.version, seq, sent.buckets, sent.tensors))
+            await link.send(complete, "completion check", self.version)
+            link.session.sent(seq)
+        if done < 2 <= upto:
+            self._ends_sent[link.name] = 2
+            await link.send(encode(Commit(self.version, seq + 1)), "commit", self.version)
+            link.session.sent(seq + 1)
 
     async def _complete_and_commit(self, link: EngineLink) -> None:
         """``complete`` and ``commit`` sent together; prepared, then committed, by their acks.
@@ -284,7 +310,7 @@ class StreamRun:
         A refused completion raises (the commit's ack is then a leftover the link skips);
         a refused commit after a good completion is an engine lost after prepare.
         """
-        await self._send_ends(link)  # unless the fanout sent them after the last bucket
+        await self._send_ends(link, 2)  # what the fanout did not send after the last bucket
         ack = await link.recv_ack("ack for completion check", self.version)
         if not ack.ok:
             raise link.refusal(ack, "completion check")
@@ -317,7 +343,13 @@ class StreamRun:
                 except AiosyncError as exc:
                     log.warning("could not tell %s to abort: %s", link.name, exc)
 
-    async def _stream(self, plans: Iterator[BucketPlan], begin: bytes | None) -> None:
+    async def _stream(
+        self,
+        plans: Iterator[BucketPlan],
+        begin: bytes | None,
+        opening: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        ends = self._tail_ends()
         fanout = BucketFanout(
             links=self.links,
             plane=self.plane,
@@ -327,10 +359,10 @@ class StreamRun:
             guard=self._guard,
             progress=self.progress,
             packed=self._packed,
-            tail=self._send_ends if self._at_once and self._check_snapshot is None else None,
+            tail=functools.partial(self._send_ends, upto=ends) if ends else None,
         )
         self._fanout = fanout
-        await fanout.run(plans, begin)
+        await fanout.run(plans, begin, opening)
 
     # --- outcome ----------------------------------------------------------------------
 
