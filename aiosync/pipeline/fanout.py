@@ -6,7 +6,9 @@ task matches the engine's acks. A buffer is free again once every live engine ac
 :class:`~aiosync.pipeline.ledger.BufferLedger`), so the ring of buffers is the backpressure:
 with ``N`` buffers at most ``N`` buckets are in flight, to every engine at once.
 Once the last bucket went out, a ``tail`` (if given) sends each live engine's closing
-messages at once, before its acks are in (the stream's end, see ``StreamRun``).
+messages at once, before its acks are in (the stream's end, see ``StreamRun``). With an
+``opening`` (the engines checking a begin sent apart), bucket 1 is packed meanwhile and
+goes out only once the opening ended with the version still possible.
 """
 
 from __future__ import annotations

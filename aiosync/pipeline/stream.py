@@ -4,10 +4,10 @@ The buckets go out through a :class:`~aiosync.pipeline.fanout.BucketFanout` (eac
 once, read by every engine). Commit is two-phase
 (:class:`~aiosync.core.trainer_session.FleetVote`): engines first report the version
 complete and checked, then all are told to commit; what a failure does depends on the
-:class:`~aiosync.core.trainer_session.Policy`. Where an engine's commit can depend on
-nothing but its own completion check (one engine, or policy ``available``), its ``commit``
-follows its ``complete`` without waiting for the ack: one round trip instead of two (see
-:meth:`StreamRun._may_commit_at_once` and docs/protocol.md).
+:class:`~aiosync.core.trainer_session.Policy`. Each engine's ``complete`` follows its last
+bucket without waiting for acks; where its commit can depend on nothing but its own
+completion check (one engine, or policy ``available``), the ``commit`` follows too (see
+:meth:`StreamRun._tail_ends` and docs/protocol.md, "Messages that go without waiting").
 """
 
 from __future__ import annotations
