@@ -58,14 +58,7 @@ def broadcast_many(
     group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int, deadline: Deadline
 ) -> None:
     """One broadcast per tensor, issued back to back, then one wait for all of them."""
-    works = []
-    for tensor in tensors:
-        options = dist.BroadcastOptions()
-        options.rootRank = src
-        options.rootTensor = 0
-        options.timeout = op_timeout(deadline, tensor)
-        works.append(group.broadcast([tensor], options))
-    for work in works:
+    for work in queue_broadcasts(group, tensors, src, deadline):
         work.wait()
     cuda = {tensor.device for tensor in tensors if tensor.is_cuda}
     for device in cuda:
