@@ -266,3 +266,32 @@ def test_a_replayed_bucket_reuses_its_parts_and_other_regions_are_checked_again(
         ring.close()
         first.close()
         second.close()
+
+
+def test_regions_read_before_a_rebase_are_closed_once_a_whole_version_skipped_them() -> None:
+    """Version numbers may go down (a rebase): a region left behind still closes.
+
+    Room for two regions: version 10 reads ``a``, version 0 (a rebase) ``b``, version 1
+    ``c``. ``a`` was not read by version 0, so it is closed when version 1 starts.
+    """
+    from aiosync.core.wire import DirectPlaneSpec
+    from aiosync.planes.direct import DirectReceiverPlane
+    from aiosync.planes.shm import ShmSenderPlane
+
+    shares = [share_tensors(torch.nn.Linear(64, 64)) for _ in range(3)]
+    a, b, c = (s.handle for s in shares)
+    assert a.size == b.size == c.size
+    spec_list = [TensorSpec("w", "uint8", (512,), 0, 512)]
+    ring = ShmSenderPlane(1, 4096)
+    room = DirectPlaneSpec(ring.spec, 2 * a.size + 512)
+    plane = DirectReceiverPlane(room, torch.device("cpu"), None)
+    used = calculate_aligned_size(a.size)
+    try:
+        plane.parts(1, used, spec_list, [a], 10)
+        plane.parts(1, used, spec_list, [b], 0)
+        assert len(plane.parts(1, used, spec_list, [c], 1)) == 1  # no room while a stayed open
+    finally:
+        plane.close()
+        ring.close()
+        for s in shares:
+            s.close()

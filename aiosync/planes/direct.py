@@ -302,13 +302,17 @@ class DirectReceiverPlane:
         return region.name
 
     def _next_version(self, version: int) -> None:
-        """A new version: close regions the whole last version did not read."""
+        """A new version: close regions the whole last version did not read.
+
+        "Did not read" is ``used != last``, not ``used < last``: numbers may go down (a
+        rebase), and a region read only before it must close too.
+        """
         last, self._version = self._version, version
         for at, split in list(self._splits.items()):
-            if last is None or split.used < last:
+            if last is None or split.used != last:
                 del self._splits[at]
         for key, opened in list(self._open.items()):
-            if last is None or opened.used < last:
+            if last is None or opened.used != last:
                 del self._open[key]
                 opened.closer()
 
