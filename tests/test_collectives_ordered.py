@@ -130,3 +130,33 @@ def test_close_stops_the_watching_thread() -> None:
     watch.close()  # idempotent
     assert not any(t.name == "aiosync-watch-watch-close" for t in threading.enumerate())
     executor.close()
+
+
+def test_close_returns_while_the_watcher_is_stuck_aborting_a_late_group() -> None:
+    """An abort that blocks (NCCL's can) holds the watching thread: close still returns."""
+    executor = GroupExecutor("watch-stuck", join_timeout=0.2)
+    executor.start()
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_abort() -> None:
+        entered.set()
+        release.wait(60)
+
+    executor._abort_group = stuck_abort  # type: ignore[method-assign]
+    watch = CompletionWatch(executor)
+    try:
+        add(watch, FakeEvent(), 0.01)
+        assert entered.wait(30), "the late step never broke the group"
+        closed = threading.Event()
+
+        def close() -> None:
+            watch.close()
+            closed.set()
+
+        closer = threading.Thread(target=close, daemon=True)
+        closer.start()
+        assert closed.wait(10), "close waited for the stuck abort"
+    finally:
+        release.set()
+        watch.close()
+        executor.close()

@@ -108,12 +108,23 @@ class CompletionWatch:
             raise self._executor.fail(self._failed)
 
     def close(self) -> None:
-        """Stop watching (steps still pending are the caller's to abort)."""
+        """Stop watching (steps still pending are the caller's to abort).
+
+        Waits at most the executor's ``join_timeout`` for the watching thread: one that is
+        aborting a late group (an NCCL abort can block) is left behind, logged.
+        """
         with self._wake:
             self._closed = True
             self._wake.notify()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(self._executor.join_timeout)
+            if self._thread.is_alive():
+                log.warning(
+                    "group %s: the watching thread is still aborting the group %.0fs after "
+                    "close; leaving it behind",
+                    self._executor.name,
+                    self._executor.join_timeout,
+                )
 
     # --- the watching thread ----------------------------------------------------------
 
