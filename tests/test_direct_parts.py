@@ -295,3 +295,28 @@ def test_regions_read_before_a_rebase_are_closed_once_a_whole_version_skipped_th
         ring.close()
         for s in shares:
             s.close()
+
+
+def test_a_segment_closed_while_a_sender_looks_a_tensor_up_is_not_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """:func:`find_shared` racing :meth:`SharedTensors.close` (another thread): None, or the
+    segment as it was, never an error (the sender then packs the tensor)."""
+    from aiosync.planes.shared_tensors import SharedTensors, find_shared
+
+    model = torch.nn.Linear(8, 8)
+    shared = share_tensors(model)
+    name = shared.handle.name
+    real = SharedTensors.closed.fget  # type: ignore[attr-defined]
+
+    def closing(self: SharedTensors) -> bool:  # the close lands right after the check
+        was: bool = real(self)
+        self.close()
+        return was
+
+    monkeypatch.setattr(SharedTensors, "closed", property(closing))
+    try:
+        spot = find_shared(model.weight)
+        assert spot is None or spot.handle.name == name
+    finally:
+        shared.close()

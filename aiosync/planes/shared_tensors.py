@@ -139,9 +139,10 @@ def find_shared(tensor: torch.Tensor) -> SharedSpot | None:
         at = bisect.bisect_right(_bases, address) - 1
         ref = _open.get(_bases[at]) if at >= 0 else None
     shared = ref() if ref is not None else None
-    if shared is None or shared.closed:
+    segment = None if shared is None else shared._segment  # read once: close may race
+    if shared is None or segment is None:
         return None
     offset = address - shared.base
     if offset + nbytes > shared.size:
         return None
-    return SharedSpot(shared.handle, offset)
+    return SharedSpot(segment.handle, offset)
