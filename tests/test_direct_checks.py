@@ -20,6 +20,7 @@ from aiosync.core.layout import MAX_BUCKET_ITEMS
 from aiosync.core.wire import CudaRegion, Region
 from aiosync.planes.direct import DirectPlan
 from aiosync.planes.direct_regions import (
+    NOT_PLAIN,
     RegionFinder,
     Spot,
     allocator_marker,
@@ -72,6 +73,8 @@ class FakeFinder(RegionFinder):
     def locate(self, tensor: torch.Tensor) -> Spot | str:
         if self.during_locate is not None:
             self.during_locate()
+        if not tensor.is_contiguous():  # as RegionFinder.locate
+            return NOT_PLAIN
         found = self._find(tensor.data_ptr())
         if found is None:
             return "not in any allocation"
@@ -261,3 +264,15 @@ def test_a_cpu_finder_vouches_for_nothing() -> None:
     finder = RegionFinder(torch.device("cpu"))
     assert finder.marker() is None
     assert finder.allocator_owned({"memfd-name"}) == set()
+
+
+def test_a_tensor_made_a_strided_view_in_place_is_split_afresh_and_packed() -> None:
+    """``p.data = p.data.t()``: the same object, address, dtype and (square) shape, and
+    no segment released, but no longer contiguous: its raw bytes must not go direct."""
+    net, _, reader = setup()
+    assert len(read(reader, net)) == 3
+    net.c.data = net.c.data.t()
+    again = read(reader, net)
+    assert reader.fresh
+    assert len(again) == 2
+    assert "not contiguous (1)" in reader.note

@@ -12,7 +12,7 @@ at most :data:`~aiosync.planes.direct.MAX_REGIONS_PER_BUCKET` regions (fewer by 
 :data:`REGIONS_PER_BUCKET`) and the engine's tensor bound.
 
 The split is kept across versions while the chosen tensors are the same objects at the same
-addresses, dtypes and shapes and every region still holds them. That last check is a lookup
+addresses, dtypes, shapes and strides and every region still holds them. That last check is a lookup
 per region (a driver query on CUDA), skipped for regions that were whole segments of torch's
 caching allocator while its segment counters show no release since the last check: the
 argument is in :mod:`aiosync.planes.direct_regions`.
@@ -155,7 +155,7 @@ class DirectReader:
 class _Kept:
     """One version's split of its chosen tensors, reused while nothing it rests on changed.
 
-    That is: the same tensor objects at the same addresses, dtypes and shapes, and each
+    That is: the same tensor objects at the same addresses, dtypes, shapes and strides, and each
     region still the same allocation (or open segment). It holds the tensors (so an id
     seen again is the same object) until the next change. Regions in ``owned`` (whole
     segments of torch's caching allocator) are not looked up while the finder's marker
@@ -177,6 +177,7 @@ class _Kept:
         self.addresses = [t.data_ptr() for _, t in chosen]
         self.dtypes = [t.dtype for _, t in chosen]
         self.shapes = [t.shape for _, t in chosen]
+        self.strides = [t.stride() for _, t in chosen]  # a view made in place (``.t()``)
         self.direct = direct
         self.packed = packed
         self.note = note
@@ -208,6 +209,7 @@ class _Kept:
             and [t.data_ptr() for t in tensors] == self.addresses
             and [t.dtype for t in tensors] == self.dtypes
             and all(t.shape == shape for t, shape in zip(tensors, self.shapes, strict=True))
+            and [t.stride() for t in tensors] == self.strides
         )
         if not same:
             return False
