@@ -276,3 +276,14 @@ def test_a_tensor_made_a_strided_view_in_place_is_split_afresh_and_packed() -> N
     assert reader.fresh
     assert len(again) == 2
     assert "not contiguous (1)" in reader.note
+
+
+def test_direct_buckets_are_planned_again_when_the_engines_bound_on_tensors_drops() -> None:
+    """An engine with a lower ``max_bucket_tensors`` joined: a kept split's buckets must
+    not keep more tensors than it takes."""
+    net, _, reader = setup()
+    source = reader.read(dict(net.named_parameters()), None, 1 << 20, MAX_BUCKET_ITEMS)
+    assert [len(plan.specs) for plan in source.plans] == [3]
+    source = reader.read(dict(net.named_parameters()), None, 1 << 20, 2)
+    assert not reader.fresh
+    assert max(len(plan.specs) for plan in source.plans) <= 2

@@ -102,8 +102,8 @@ class DirectReader:
         if not kept.direct:
             return rest
         first = len(rest.manifest) if rest.manifest is not None else None
-        if kept.plans is None or kept.first != first:
-            kept.first = first
+        if kept.plans is None or (kept.first, kept.max_items) != (first, max_items):
+            kept.first, kept.max_items = first, max_items  # the engines' bound may change
             kept.plans = _plans(kept.direct, first, max_items, self.plane.count)
         plans, metas, moved = kept.plans
         self.direct_bytes = moved
@@ -182,6 +182,7 @@ class _Kept:
         self.packed = packed
         self.note = note
         self.first: int | None = None
+        self.max_items = 0  # the bound ``plans`` were made for
         self.plans: tuple[list[DirectPlan], list[TensorMeta], int] | None = None
         probes: dict[object, tuple[torch.Tensor, Spot]] = {}
         for _, tensor, spot in direct:
