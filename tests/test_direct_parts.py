@@ -320,3 +320,31 @@ def test_a_segment_closed_while_a_sender_looks_a_tensor_up_is_not_an_error(
         assert spot is None or spot.handle.name == name
     finally:
         shared.close()
+
+
+def test_regions_close_after_versions_with_packed_buckets_only() -> None:
+    """A version with no direct bucket still ends the last one's regions' use: version 0
+    reads ``a``; versions 1 and 2 are packed only; version 3 needs room for ``b`` and
+    ``c`` (room for two regions), so ``a`` must have been closed by then."""
+    from aiosync.core.wire import DirectPlaneSpec
+    from aiosync.planes.direct import DirectReceiverPlane
+    from aiosync.planes.shm import ShmSenderPlane
+
+    shares = [share_tensors(torch.nn.Linear(64, 64)) for _ in range(3)]
+    a, b, c = (s.handle for s in shares)
+    spec_list = [TensorSpec("w", "uint8", (512,), 0, 512)]
+    ring = ShmSenderPlane(1, 4096)
+    room = DirectPlaneSpec(ring.spec, 2 * a.size + 512)
+    plane = DirectReceiverPlane(room, torch.device("cpu"), None)
+    used = calculate_aligned_size(a.size)
+    two = [spec_list[0], TensorSpec("v", "uint8", (512,), used, 512)]
+    try:
+        plane.parts(1, used, spec_list, [a], 0)
+        plane.parts(0, 512, spec_list, [], 1)  # a ring bucket
+        plane.parts(0, 512, spec_list, [], 2)
+        assert len(plane.parts(1, 2 * used, two, [b, c], 3)) == 2
+    finally:
+        plane.close()
+        ring.close()
+        for s in shares:
+            s.close()

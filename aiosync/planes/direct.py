@@ -213,6 +213,8 @@ class DirectReceiverPlane:
 
         Raises :class:`ProtocolError` for regions that do not describe the bucket.
         """
+        if version != self._version:  # also a ring bucket: a version may read no region
+            self._next_version(version)
         if index != self._direct:
             if regions:
                 raise ProtocolError(f"regions named for ring buffer {index}")
@@ -221,8 +223,6 @@ class DirectReceiverPlane:
             raise ProtocolError(
                 f"direct bucket of {len(regions)} regions (1-{MAX_REGIONS_PER_BUCKET})"
             )
-        if version != self._version:
-            self._next_version(version)
         kept = self._kept(specs, regions, version)
         if kept is None:
             kept = self._checked(used, specs, regions, version)
