@@ -31,12 +31,21 @@ from aiosync.core.layout import _DTYPE_NAMES, TensorSpec, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta, module_tensors, unique_storage, visible_pairs
 from aiosync.core.planning import Planner, VersionSource, read_source
 from aiosync.core.wire import Region
-from aiosync.planes.direct import DIRECT_BYTES, DirectPlan, DirectSenderPlane
+from aiosync.planes.direct import (
+    DIRECT_BYTES,
+    MAX_OPEN_REGIONS,
+    DirectPlan,
+    DirectSenderPlane,
+)
 from aiosync.planes.direct_regions import RegionFinder, Spot
 from aiosync.planes.shared_tensors import find_shared
 
 REGIONS_PER_BUCKET = 64
 """Regions a sender puts in one direct bucket."""
+OPEN_REGIONS = MAX_OPEN_REGIONS // 2
+"""Regions one version reads directly at most (the rest is packed; see ``_within_bounds``)."""
+OPEN_BYTES = DIRECT_BYTES // 2
+"""Bytes of regions one version reads directly at most."""
 
 
 class DirectReader:
@@ -132,7 +141,12 @@ class DirectReader:
                 direct.append((name, tensor, spot))
         overlapping: list[tuple[str, Any]] = []
         direct = _distinct(direct, overlapping)
-        packed.extend(at[id(tensor)] for _, tensor in overlapping)
+        beyond: list[tuple[str, Any]] = []
+        direct = _within_bounds(direct, beyond)
+        if beyond:
+            refused["past the engines' bound on open regions"] += len(beyond)
+            refused_bytes += sum(tensor.nbytes for _, tensor in beyond)
+        packed.extend(at[id(tensor)] for _, tensor in [*overlapping, *beyond])
         note = ""
         if refused:
             why = "; ".join(f"{reason} ({n})" for reason, n in refused.most_common())
@@ -242,6 +256,36 @@ def _distinct(
                 continue
             end = spot.offset + tensor.nbytes
             out.append((name, tensor, spot))
+    return out
+
+
+def _within_bounds(
+    direct: list[tuple[str, torch.Tensor, Spot]], packed: list[tuple[str, Any]]
+) -> list[tuple[str, torch.Tensor, Spot]]:
+    """``direct`` within half an engine's bounds on open regions; the rest to ``packed``.
+
+    An engine keeps the regions of the last version open while it opens the next
+    version's, so a version whose regions all moved needs room for both: half of
+    :data:`~aiosync.planes.direct.MAX_OPEN_REGIONS` regions and of
+    :data:`~aiosync.planes.direct.DIRECT_BYTES`. Regions are taken in the order met.
+    """
+    taken: set[object] = set()
+    left: set[object] = set()
+    held = 0
+    out: list[tuple[str, torch.Tensor, Spot]] = []
+    for name, tensor, spot in direct:
+        key = spot.key
+        if key not in taken and key not in left:
+            size = spot.region.size
+            if len(taken) < OPEN_REGIONS and held + size <= OPEN_BYTES:
+                taken.add(key)
+                held += size
+            else:
+                left.add(key)
+        if key in taken:
+            out.append((name, tensor, spot))
+        else:
+            packed.append((name, tensor))
     return out
 
 
