@@ -461,3 +461,22 @@ def test_the_step_timer_runs_both_sides_and_checks_the_result() -> None:
     steps = measure(300, 3)  # raises if the engine's tensors differ from the trainer's
     assert {step.split(":")[0] for step in steps} == {"trainer", "engine"}
     assert "engine: apply" in steps
+
+
+def test_a_target_made_a_strided_view_in_place_gets_its_values_not_raw_bytes() -> None:
+    """``p.data = p.data.t()`` keeps the address: a kept copy program must not write the
+    bucket's bytes there as if the target were still contiguous."""
+    model = {f"t{i}": torch.zeros(2, 2) for i in range(40)}
+    sink = ModuleSink(model)
+    sink.expectations()
+    kept: list[TensorSpec] | None = None
+    for version in range(3):
+        sent = {n: torch.arange(4.0).view(2, 2) + 10 * version + i for i, n in enumerate(model)}
+        bucket, specs = bucket_of(sent)
+        specs = kept or specs
+        if version == 2:
+            model["t7"].data = model["t7"].data.t()  # same storage and address, strided
+        sink.apply_bucket(bucket, specs)
+        sink.commit(version)
+        kept = specs
+        assert all(torch.equal(model[n], t) for n, t in sent.items()), version

@@ -140,7 +140,7 @@ class CopyPrograms:
         else:
             done = _run(merged, 0, address_copy)
         left: list[list[TensorSpec]] = [[] for _ in parts]
-        if done < len(merged.tensors):  # a destination has new storage: made again next time
+        if done < len(merged.tensors):  # a destination moved: the program is made again
             del self._programs[key]
             for k, spec in zip(kept.part_of[done:], merged.copied[done:], strict=True):
                 left[k].append(spec)
@@ -167,7 +167,8 @@ def _device_copy(device: torch.device) -> Callable[[int, int, int], object]:
 def _run(program: CopyProgram, base: int, copy: Callable[[int, int, int], object]) -> int:
     """Copy ``program``'s tensors from the bucket at ``base``; how many were copied.
 
-    Stops at the first destination whose storage moved since the program was made.
+    Stops at the first destination whose storage moved, or that became a strided view
+    (``p.data = p.data.t()`` keeps the address), since the program was made.
     """
     done = 0
     for tensor, pointer, target, offset, size in zip(
@@ -178,7 +179,7 @@ def _run(program: CopyProgram, base: int, copy: Callable[[int, int, int], object
         program.sizes,
         strict=True,
     ):
-        if tensor.data_ptr() != pointer:
+        if tensor.data_ptr() != pointer or not tensor.is_contiguous():
             return done
         copy(target, base + offset, size)
         done += 1
