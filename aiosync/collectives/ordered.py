@@ -100,6 +100,9 @@ class CompletionWatch:
                 raise self._executor.fail(late)
             if not left:
                 break
+            # A worker thread's poll, never an event loop's: planes call settle through
+            # anyio.to_thread (collective.drain, cuda_order._settled). CUDA events give no
+            # blocking wait that a deadline or an abort could interrupt.
             time.sleep(pause)
             pause = min(2 * pause, LAST_POLL)
         if self._executor.broken is not None:  # an abort also completes the events
