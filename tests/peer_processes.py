@@ -1,4 +1,4 @@
-"""Peer processes for the GPU tests: start ``python -m MODULE ROLE ...``, read its events.
+"""Peer processes for the tests: start ``python -m MODULE ROLE ...``, read its events.
 
 A peer module (``tests.cuda_peers``, ``tests.direct_peers``) prints one JSON object a line,
 each with an ``event`` key; :func:`process` starts one with stdout piped (and stdin too,

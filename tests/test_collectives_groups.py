@@ -6,12 +6,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,16 +31,9 @@ from aiosync.collectives import (
 from aiosync.collectives.ops import broadcast
 from aiosync.collectives.rendezvous import is_token, valid_host
 from aiosync.core.errors import PeerGoneError, SyncTimeoutError, UsageError
-from aiosync.runtime import child_env
+from tests.peer_processes import process
 
-ROOT = Path(__file__).resolve().parent.parent
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
-
-
-def worker_env() -> dict[str, str]:
-    env = child_env()
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    return env
 
 
 @contextmanager
@@ -54,26 +46,9 @@ def hosted_peer(token: str, name: str) -> Iterator[tuple[HostedStore, subprocess
         yield hosted, peer
 
 
-@contextmanager
-def worker(*argv: str, stdin: bool = False) -> Iterator[subprocess.Popen[str]]:
-    """One ``tests.collective_worker`` process, killed and reaped on the way out."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.collective_worker", *argv],
-        stdin=subprocess.PIPE if stdin else None,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=worker_env(),
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
+def worker(*argv: str, stdin: bool = False) -> AbstractContextManager[subprocess.Popen[str]]:
+    """One ``tests.collective_worker`` process (Gloo on loopback), killed and reaped at the end."""
+    return process("tests.collective_worker", *argv, env={"GLOO_SOCKET_IFNAME": "lo"}, stdin=stdin)
 
 
 def event(proc: subprocess.Popen[str]) -> dict[str, object]:
