@@ -805,6 +805,18 @@ def test_overlapping_ranges_agree_on_the_highest_common_protocol() -> None:
     assert link.protocol == PROTOCOL_MAX
 
 
+def test_follow_opens_a_version_the_engine_will_refuse_and_begin_does_not() -> None:
+    link = LinkSession("engine-0", "session-1")
+    with pytest.raises(ProtocolError, match="before the session is ready"):
+        link.follow(3)
+    link.ready(Ready("session-1", PROTOCOL_MAX, 5))
+    with pytest.raises(ProtocolError, match="not newer than the engine's 5"):
+        link.begin(3)
+    link.sent(0)
+    link.follow(3)  # a collective plane's engine joins the broadcasts of a version it refuses
+    assert (link.version, link.in_flight, link.remote_version) == (3, 0, 5)
+
+
 @pytest.mark.parametrize("protocol", [PROTOCOL_MIN - 1, PROTOCOL_MAX + 1, 0])
 def test_sender_refuses_a_ready_outside_its_range_naming_both(protocol: int) -> None:
     link = LinkSession("engine-0", "session-1")

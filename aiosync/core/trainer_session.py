@@ -51,14 +51,29 @@ class LinkSession:
 
     def begin(self, version: int) -> None:
         """Open the stream of ``version``; it must be newer than the engine's."""
-        if self.protocol is None:
-            raise ProtocolError("stream before the session is ready", peer=self.peer)
+        self._require_ready()
         if self.remote_version is not None and version <= self.remote_version:
             raise ProtocolError(
                 f"version {version} is not newer than the engine's {self.remote_version}",
                 peer=self.peer,
                 version=version,
             )
+        self._open(version)
+
+    def follow(self, version: int) -> None:
+        """Open the stream of ``version`` whatever the engine holds (it will refuse it).
+
+        For a collective plane, whose engines must all join every broadcast: an engine
+        that cannot take the version is still sent its buckets and drops them.
+        """
+        self._require_ready()
+        self._open(version)
+
+    def _require_ready(self) -> None:
+        if self.protocol is None:
+            raise ProtocolError("stream before the session is ready", peer=self.peer)
+
+    def _open(self, version: int) -> None:
         self.version = version
         self._pending.clear()
 

@@ -291,9 +291,7 @@ class BucketFanout:
             if not self._follow:
                 raise
             self._refused(link, exc)
-            known, link.session.remote_version = link.session.remote_version, None
-            link.session.begin(self.version)
-            link.session.remote_version = known
+            link.session.follow(self.version)
 
     def _refused(self, link: EngineLink, refusal: AiosyncError) -> None:
         """A collective plane's engine refused: the vote hears it; it keeps joining."""
