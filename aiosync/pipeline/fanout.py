@@ -344,9 +344,8 @@ class BucketFanout:
                     self._refused(link, refusal)
                 if packed.index == BEGIN:
                     continue
-                if self._consumed is not None and not packed.direct:  # reuse waits for the
-                    # engine's CUDA event
-                    self._consumed(packed.index, link.events)
+                if self._consumed is not None and not packed.direct:
+                    self._consumed(packed.index, link.events)  # reuse waits for its event
                 done = ledger.release(packed.index, link.name)
                 if done is not None:
                     self._bucket_done(done)
