@@ -191,14 +191,17 @@ class StreamRun:
         it prepared. The engine answers its messages in order, and refuses a ``commit``
         of a stream whose completion check failed ("stream already failed", nothing made
         live), so sending both at once decides exactly as two phases would, one round
-        trip sooner. Not for a REQ socket (one message awaiting its reply), nor for a
-        subclass that adds to the prepare phase (a topology's vote across engines).
+        trip sooner. Not where :meth:`_ends_may_go_early` says no.
         """
-        if type(self)._complete is not StreamRun._complete:
-            return False
-        if any(self.links[name].window is not None for name in self.vote.live):
+        if not self._ends_may_go_early():
             return False
         return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
+
+    def _ends_may_go_early(self) -> bool:
+        """Whether closing messages may go before acks (no REQ socket, no topology vote)."""
+        if type(self)._complete is not StreamRun._complete:
+            return False
+        return all(self.links[name].window is None for name in self.vote.live)
 
     async def _each(
         self, step: Callable[..., object], *args: object, only: list[str] | None = None
@@ -271,13 +274,10 @@ class StreamRun:
 
         2: ``complete`` and ``commit`` (:meth:`_may_commit_at_once`, and no snapshot check
         stands between the packing and a commit); 1: ``complete`` only (a prepare commits
-        nothing: the vote, or the snapshot check, still comes before any commit); 0: none,
-        for a REQ socket (one message awaiting its reply) or a subclass whose prepare
-        phase sends its own messages (a topology's vote).
+        nothing: the vote, or the snapshot check, still comes before any commit); 0: none
+        (:meth:`_ends_may_go_early`).
         """
-        if type(self)._complete is not StreamRun._complete:
-            return 0
-        if any(self.links[name].window is not None for name in self.vote.live):
+        if not self._ends_may_go_early():
             return 0
         return 2 if self._at_once and self._check_snapshot is None else 1
 
