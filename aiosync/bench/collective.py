@@ -17,6 +17,8 @@ Every pipeline time is ``await sender.send(...)`` end to end (manifest, buckets,
 two-phase commit). After each mode the engine compares every tensor, bit for bit, with a
 raw broadcast of the trainer's tensor. Prints one JSON object (medians in ms, ratios to
 ``raw``, ``bit_exact`` per mode); a mode that fails reports its error, the others still run.
+``--traced N`` then streams N more ``flat`` versions with both processes' marks
+(:mod:`aiosync.bench.collective_hooks`) and prints each one's timeline to stderr.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from aiosync.bench import collective_hooks
 from aiosync.bench.model import LLAMA3_8B, llama_layout
+from aiosync.bench.timeline_hooks import Recorder, render
 from aiosync.collectives import host_store, init_process_group, new_token, token_store
 from aiosync.collectives.rendezvous import connect_store
 
@@ -129,9 +133,12 @@ def engine(args: argparse.Namespace) -> None:
     def say(**fields: object) -> None:
         print(json.dumps(fields), flush=True)
 
+    sink = ModuleSink(model)
+    rec = Recorder(device.startswith("cuda"))
+
     async def serve() -> None:
         config = ReceiverConfig(stream_timeout=120, session_timeout=600)
-        async with WeightReceiver(ModuleSink(model), config=config) as receiver:
+        async with WeightReceiver(sink, config=config) as receiver:
             say(endpoint=receiver.endpoint)
             while True:
                 words = (await anyio.to_thread.run_sync(sys.stdin.readline)).split()
@@ -143,6 +150,12 @@ def engine(args: argparse.Namespace) -> None:
                     say(raw="done")
                 elif words[0] == "verify":
                     say(wrong=await anyio.to_thread.run_sync(verify, group, model, False))
+                elif words[0] == "trace":  # marks from now on (see collective_hooks)
+                    collective_hooks.engine_collective_hooks(rec, sink)
+                    rec.start()
+                    say(trace="on")
+                elif words[0] == "dump":
+                    say(marks=rec.dump())
 
     run(serve)
 
@@ -198,6 +211,8 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
                 }
             except Exception as exc:  # report, and go on with the other modes
                 out[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+        if args.traced:
+            out["traced"] = _traced(proc, model, endpoint, device, args)
         _ask(proc, "quit")
         proc.wait(timeout=60)
     finally:
@@ -259,6 +274,37 @@ async def _pipeline(
                 marks["end"] = time.perf_counter()
             times.append(marks)
     return times[1:]
+
+
+def _traced(
+    proc: subprocess.Popen[str],
+    model: dict[str, torch.Tensor],
+    endpoint: str,
+    device: str,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """``--traced`` flat versions with both processes' marks; each one's timeline.
+
+    The hooks stay in this process, so this runs after every timed mode.
+    """
+    rec = Recorder(device.startswith("cuda"))
+    collective_hooks.trainer_collective_hooks(rec)
+    _ask(proc, "trace")
+    _reply(proc)
+    rec.start()
+    traced = argparse.Namespace(**{**vars(args), "repeats": args.traced})
+    anyio.run(_pipeline, model, endpoint, "flat", device, traced)
+    mine = rec.dump()
+    _ask(proc, "dump")
+    theirs = [tuple(mark) for mark in _reply(proc)["marks"]]
+    versions = sorted({mark[2] for mark in mine if mark[2] >= 0})[-args.traced :]
+    views = []
+    for version in versions:
+        view = collective_hooks.collective_timeline(mine, theirs, version)  # type: ignore[arg-type]
+        print(f"--- traced flat version {version}", file=sys.stderr)
+        print(render(view), file=sys.stderr, flush=True)
+        views.append(view)
+    return views
 
 
 def phases(marks: list[dict[str, float]]) -> dict[str, float]:
@@ -324,6 +370,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token", default="")
     parser.add_argument("--cpu", action="store_true", help="Gloo on CPUs (a smoke test)")
+    parser.add_argument("--traced", type=int, default=0, help="flat versions with a timeline")
     args = parser.parse_args()
     if args.role == "engine":
         engine(args)

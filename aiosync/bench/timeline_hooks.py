@@ -75,6 +75,11 @@ class Recorder:
         self.mark(kind + "_host1", seq)
         self._spans.append((kind, self.version, seq, begin, end))
 
+    def add_span(self, kind: str, seq: int | None, begin: Any, end: Any) -> None:
+        """A GPU span between two timing events the caller recorded."""
+        if self.enabled and self.cuda:
+            self._spans.append((kind, self.version, seq, begin, end))
+
     def dump(self) -> list[Mark]:
         """Stop; every mark, GPU spans as ``<kind>_gpu0`` / ``<kind>_gpu1`` marks."""
         self.enabled = False
@@ -253,6 +258,21 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
     sink.commit = commit
 
 
+PHASES = [
+    ("T", "read0"),
+    ("T", "read1"),
+    ("T", "complete0"),
+    ("T", "complete1"),
+    ("T", "commit0"),
+    ("T", "commit1"),
+    ("T", "send1"),
+    ("E", "recv_begin"),
+    ("E", "recv_complete"),
+    ("E", "sinkcommit0"),
+    ("E", "sinkcommit1"),
+    ("E", "recv_commit"),
+]
+
 BUCKET_COLUMNS = [
     ("T packcall0", "pack call"),
     ("T pack_host1", "pack host1"),
@@ -269,8 +289,18 @@ BUCKET_COLUMNS = [
 ]
 
 
-def timeline(trainer: Sequence[Mark], engine: Sequence[Mark], version: int) -> dict[str, Any]:
-    """One version's rows (ms from the trainer's send), phases and a summary of gaps."""
+def timeline(
+    trainer: Sequence[Mark],
+    engine: Sequence[Mark],
+    version: int,
+    columns: Sequence[tuple[str, str]] = (),
+    phases: Sequence[tuple[str, str]] = (),
+) -> dict[str, Any]:
+    """One version's rows (ms from the trainer's send), phases and a summary of gaps.
+
+    ``columns`` and ``phases`` replace :data:`BUCKET_COLUMNS` and the phases of a CUDA
+    plane's timeline (then there is no summary).
+    """
     marks: dict[tuple[str, int | None], int] = {}
     for side, records in (("T", trainer), ("E", engine)):
         for when, kind, ver, seq in records:
@@ -286,25 +316,15 @@ def timeline(trainer: Sequence[Mark], engine: Sequence[Mark], version: int) -> d
         value = marks.get((kind, seq))
         return None if value is None else round((value - t0) / 1e6, 3)
 
-    rows = [[seq] + [at(kind, seq) for kind, _ in BUCKET_COLUMNS] for seq in seqs]
-    phases = {
-        kind: at(f"{side} {kind}")
-        for side, kind in [
-            ("T", "read0"),
-            ("T", "read1"),
-            ("T", "complete0"),
-            ("T", "complete1"),
-            ("T", "commit0"),
-            ("T", "commit1"),
-            ("T", "send1"),
-            ("E", "recv_begin"),
-            ("E", "recv_complete"),
-            ("E", "sinkcommit0"),
-            ("E", "sinkcommit1"),
-            ("E", "recv_commit"),
-        ]
-    }
-    return {"version": version, "rows": rows, "phases": phases, "summary": _summary(rows)}
+    cols = list(columns) or BUCKET_COLUMNS
+    rows = [[seq] + [at(kind, seq) for kind, _ in cols] for seq in seqs]
+    wanted = list(phases) or PHASES
+    out = {kind: at(f"{side} {kind}") for side, kind in wanted}
+    view: dict[str, Any] = {"version": version, "rows": rows, "phases": out}
+    view["head"] = ["seq"] + [name for _, name in cols]
+    if not columns:
+        view["summary"] = _summary(rows)
+    return view
 
 
 def _summary(rows: list[list[Any]]) -> dict[str, float]:
@@ -349,10 +369,11 @@ def render(view: dict[str, Any]) -> str:
     """The timeline as a fixed-width table (ms from the trainer's send)."""
     if "error" in view:
         return str(view["error"])
-    head = ["seq"] + [name for _, name in BUCKET_COLUMNS]
+    head = view.get("head") or ["seq"] + [name for _, name in BUCKET_COLUMNS]
     lines = [" ".join(f"{h:>9}" for h in head)]
     for row in view["rows"]:
         lines.append(" ".join(f"{'-' if v is None else v:>9}" for v in row))
     lines.append("phases: " + ", ".join(f"{k} {v}" for k, v in view["phases"].items()))
-    lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in view["summary"].items()))
+    if "summary" in view:
+        lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in view["summary"].items()))
     return "\n".join(lines)
