@@ -134,7 +134,7 @@ def engine(args: argparse.Namespace) -> None:
         print(json.dumps(fields), flush=True)
 
     sink = ModuleSink(model)
-    rec = Recorder(device.startswith("cuda"))
+    rec = Recorder(device.startswith("cuda"), device if device.startswith("cuda") else None)
 
     async def serve() -> None:
         config = ReceiverConfig(stream_timeout=120, session_timeout=600)
@@ -287,7 +287,7 @@ def _traced(
 
     The hooks stay in this process, so this runs after every timed mode.
     """
-    rec = Recorder(device.startswith("cuda"))
+    rec = Recorder(device.startswith("cuda"), device if device.startswith("cuda") else None)
     collective_hooks.trainer_collective_hooks(rec)
     _ask(proc, "trace")
     _reply(proc)

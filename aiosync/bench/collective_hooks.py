@@ -77,13 +77,13 @@ def _broadcasts(rec: Recorder) -> None:
         begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         rec.mark("bcast_host0", seq)
-        begin.record()  # type: ignore[no-untyped-call]
+        device = rec.device or torch.device("cuda", torch.cuda.current_device())
+        begin.record(torch.cuda.current_stream(device))  # type: ignore[no-untyped-call]
         works = queue(*args, **kwargs)
         rec.mark("bcast_host1", seq)
-        device = torch.cuda.current_device()
         side = ends.get(device)
         if side is None:
-            side = ends[device] = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side = ends[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(side):
             for work in works:
                 work.wait()

@@ -27,8 +27,11 @@ Mark = tuple[int, str, int, int | None]  # host ns, kind, version, seq
 class Recorder:
     """Host marks and GPU spans of one process, while :attr:`enabled`."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, device: torch.device | str | None = None) -> None:
         self.cuda = cuda
+        self.device = torch.device(device) if device is not None else None
+        """The GPU whose streams the spans are on (default: the current one); a worker
+        thread's current device may be another."""
         self.enabled = False
         self.version = -1
         self.seq: int | None = None
@@ -42,10 +45,10 @@ class Recorder:
         self.marks.clear()
         self._spans.clear()
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             before = time.monotonic_ns()
-            event.record()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self.device))  # type: ignore[no-untyped-call]
             event.synchronize()  # type: ignore[no-untyped-call]
             self._reference = (event, (before + time.monotonic_ns()) // 2)
         self.enabled = True
@@ -69,9 +72,9 @@ class Recorder:
             return
         begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        begin.record()  # type: ignore[no-untyped-call]
+        begin.record(torch.cuda.current_stream(self.device))  # type: ignore[no-untyped-call]
         yield
-        end.record()  # type: ignore[no-untyped-call]
+        end.record(torch.cuda.current_stream(self.device))  # type: ignore[no-untyped-call]
         self.mark(kind + "_host1", seq)
         self._spans.append((kind, self.version, seq, begin, end))
 
@@ -85,7 +88,7 @@ class Recorder:
         self.enabled = False
         out = list(self.marks)
         if self.cuda and self._reference is not None:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             ref, ref_ns = self._reference
             for kind, version, seq, begin, end in self._spans:
                 for edge, event in (("0", begin), ("1", end)):
@@ -190,6 +193,9 @@ def trainer_hooks(rec: Recorder) -> None:
     _wrap(fanout.BucketFanout, "_send_one", send_one)
     _wrap(links.EngineLink, "recv_ack", recv_ack)
     _wrap(stream.StreamRun, "__init__", stream_init)
+    _wrap(stream.StreamRun, "run", phase("stream"))
+    _wrap(fanout.BucketFanout, "run", phase("fanout"))
+    _wrap(links.EngineLink, "send", phase("linksend"))
     _wrap(stream.StreamRun, "_complete", phase("complete"))
     if hasattr(stream.StreamRun, "_complete_and_commit"):  # commit sent with the complete
         _wrap(stream.StreamRun, "_complete_and_commit", phase("complete"))
@@ -258,6 +264,9 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
     sink.commit = commit
 
 
+EARLY_MS = 3.0
+"""A timeline lists every mark of this many first ms of the version (where the start goes)."""
+
 PHASES = [
     ("T", "read0"),
     ("T", "read1"),
@@ -322,6 +331,13 @@ def timeline(
     out = {kind: at(f"{side} {kind}") for side, kind in wanted}
     view: dict[str, Any] = {"version": version, "rows": rows, "phases": out}
     view["head"] = ["seq"] + [name for _, name in cols]
+    view["start"] = [  # every mark of the version's first EARLY_MS, in order
+        (side + " " + kind, round((when - t0) / 1e6, 3), seq)
+        for side, records in (("T", trainer), ("E", engine))
+        for when, kind, ver, seq in records
+        if ver == version and 0 <= when - t0 <= EARLY_MS * 1e6
+    ]
+    view["start"].sort(key=lambda mark: mark[1])
     if not columns:
         view["summary"] = _summary(rows)
     return view
@@ -374,6 +390,9 @@ def render(view: dict[str, Any]) -> str:
     for row in view["rows"]:
         lines.append(" ".join(f"{'-' if v is None else v:>9}" for v in row))
     lines.append("phases: " + ", ".join(f"{k} {v}" for k, v in view["phases"].items()))
+    if view.get("start"):
+        marks = (f"{k}{'' if q is None else f'[{q}]'} {t}" for k, t, q in view["start"])
+        lines.append("start: " + ", ".join(marks))
     if "summary" in view:
         lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in view["summary"].items()))
     return "\n".join(lines)
