@@ -110,6 +110,8 @@ class GroupExecutor:
         self._closed = False
         self._busy = False
         self._lock = threading.Lock()
+        self._turn = threading.Lock()  # held while a job runs, here or in call_here
+        self._pending = 0  # jobs queued or running on the thread (under _lock)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -187,10 +189,12 @@ class GroupExecutor:
         if not self._started or self._closed or not self._thread.is_alive():
             raise UsageError(f"group {self.name}: executor not running")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        try:
-            self._jobs.put_nowait((future, job))
-        except queue.Full:
-            raise UsageError(f"group {self.name}: {MAX_PENDING} collectives queued") from None
+        with self._lock:
+            try:
+                self._jobs.put_nowait((future, job))
+            except queue.Full:
+                raise UsageError(f"group {self.name}: {MAX_PENDING} collectives queued") from None
+            self._pending += 1
         return future
 
     async def run(
@@ -238,6 +242,43 @@ class GroupExecutor:
         """The blocking twin of :meth:`run`, for worker threads (never the event loop)."""
         return self.result(self.submit(job), deadline=deadline, what=what, peers=peers)
 
+    def call_here(
+        self,
+        job: Callable[[], T],
+        *,
+        deadline: Deadline,
+        what: str = "collective",
+        peers: Sequence[str] = (),
+    ) -> T:
+        """:meth:`call`, but run on the calling thread when no job is queued or running.
+
+        For work that only queues (an NCCL step ordered by CUDA events): it keeps the
+        group's order (nothing else of the group runs meanwhile, and jobs submitted earlier
+        run first: with any still queued, this is :meth:`call`) and saves the hand-over to
+        the group's thread and back, which is on the critical path of a version's first
+        bucket. Errors break the group as in :meth:`run`.
+        """
+        if not self._turn.acquire(timeout=deadline.remaining()):
+            raise self.fail(self._timeout(what, deadline, peers))
+        try:
+            with self._lock:
+                idle = self._pending == 0
+            if idle and self._started and not self._closed and self._thread.is_alive():
+                if self.broken is not None:
+                    raise self.broken
+                self._busy = True
+                try:
+                    return job()
+                except AiosyncError as exc:
+                    raise self.fail(exc) from None
+                except Exception as exc:
+                    raise self.fail(collective_error(exc, what, peers)) from exc
+                finally:
+                    self._busy = False
+        finally:
+            self._turn.release()
+        return self.call(job, deadline=deadline, what=what, peers=peers)
+
     def result(
         self,
         future: concurrent.futures.Future[T],
@@ -281,22 +322,33 @@ class GroupExecutor:
         job: tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None = None
         if item is not None:
             job = (concurrent.futures.Future(), item)
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            log.warning("group %s: job queue full while closing", self.name)
+        with self._lock:
+            try:
+                self._jobs.put_nowait(job)
+            except queue.Full:
+                log.warning("group %s: job queue full while closing", self.name)
+                return
+            self._pending += job is not None
 
     def _serve(self) -> None:
         while True:
             item = self._jobs.get()
             if item is None:
                 break
-            future, job = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            if self.broken is not None and job != self._release_group:
-                future.set_exception(self.broken)
-                continue
+            try:
+                self._run_one(*item)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+        self._drain()
+
+    def _run_one(self, future: concurrent.futures.Future[Any], job: Callable[[], Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        if self.broken is not None and job != self._release_group:
+            future.set_exception(self.broken)
+            return
+        with self._turn:
             self._busy = True
             try:
                 future.set_result(job())
@@ -304,7 +356,6 @@ class GroupExecutor:
                 future.set_exception(exc)
             finally:
                 self._busy = False
-        self._drain()
 
     def _drain(self) -> None:
         """Cancel what is still queued (nothing will run it)."""

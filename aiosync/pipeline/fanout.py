@@ -150,21 +150,15 @@ class BucketFanout:
         freed, free = ring
         try:
             while self.vote.live and not (self._follow and self.vote.hopeless):
-                # Each engine's acks are awaited with the timeout, and a failed engine lets go
-                # of its buffers; this bound is only a backstop, so it never fires first.
-                with anyio.move_on_after(2 * self.timeout) as scope:
-                    index = await free.receive()
-                if scope.cancelled_caught:
-                    held = ", ".join(self.vote.live)
-                    raise SyncTimeoutError(
-                        f"no buffer freed within {2 * self.timeout:g}s by {held}",
-                        version=self.version,
-                    )
+                try:  # no checkpoint when a buffer is free: the packing starts first
+                    index = free.receive_nowait()
+                except anyio.WouldBlock:
+                    index = await self._free_buffer(free)
                 packed = await anyio.to_thread.run_sync(
                     self._pack_next, plans, index, limiter=self._limiter
                 )
                 if packed is None:
-                    return await self._end_packing()
+                    return await self._end_packing(outboxes)
                 if self._gate is not None and not await self._accepted(self._gate):
                     return  # refused under policy 'all': bucket 1 packed, never published
                 if not packed.direct:
@@ -179,19 +173,40 @@ class BucketFanout:
                         if ledger.release(index, name) is not None:
                             freed.send_nowait(index)
                 if getattr(plans, "done", False):  # that was the last plan (a layout's)
-                    return await self._end_packing()
+                    return await self._end_packing(outboxes)
         finally:
             for outbox in outboxes.values():
                 outbox.close()
 
-    async def _end_packing(self) -> None:
-        """Every bucket is packed: wait for the plane's sends, then let the trainer go on."""
+    async def _free_buffer(self, free: Receiving[int]) -> int:
+        """The next buffer every engine let go of.
+
+        Each engine's acks are awaited with the timeout, and a failed engine lets go of its
+        buffers; this bound is only a backstop, so it never fires first.
+        """
+        with anyio.move_on_after(2 * self.timeout):
+            return await free.receive()
+        held = ", ".join(self.vote.live)
+        raise SyncTimeoutError(
+            f"no buffer freed within {2 * self.timeout:g}s by {held}", version=self.version
+        )
+
+    async def _end_packing(self, outboxes: dict[str, Sending[_Packed]]) -> None:
+        """Every bucket is packed: the links' closing messages go, then the trainer goes on.
+
+        The links' queues close (each sends its closing messages), the plane's sends are
+        waited for, and the trainer is told its tensors are free. The closing messages need
+        not wait for the plane: each engine checks that it received every bucket whole (a
+        collective plane's engine settles its own receives) before it prepares.
+        """
+        self.finished = True
+        for outbox in outboxes.values():
+            outbox.close()
         drain = getattr(self.plane, "drain", None)  # sends still reading
         if drain is not None:
             await drain()
         if self.packed is not None and not self._direct_sent:
             self.packed.set()  # the trainer may change its tensors again
-        self.finished = True
 
     def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> _Packed | None:
         """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -156,7 +155,6 @@ class CollectiveSenderPlane:
                 buffer.record_stream(self._stream)
         self._segments: dict[int, list[torch.Tensor]] = {}
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
-        self._packed: dict[int, torch.cuda.Event] = {}
         self._done: dict[int, torch.cuda.Event] = {}
         self._caller: torch.cuda.Stream | None = None
         world, store = 1 + options.engines, token_store(self._hosted.store, self._token)
@@ -213,8 +211,9 @@ class CollectiveSenderPlane:
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Fill buffer ``index`` (or, per tensor, keep the tensors' bytes); blocking.
 
-        Gloo: waits first for the broadcast last queued from that buffer. NCCL: waits only
-        until that broadcast is queued; the GPU orders the rest (no wait for the device).
+        Gloo: waits first for the broadcast last queued from that buffer. NCCL: queues the
+        packing after that broadcast and this bucket's broadcast after the packing (CUDA
+        events, no wait for the device), from this thread when the group's is idle.
         """
         previous = self._inflight.pop(index, None)
         if previous is not None:
@@ -231,7 +230,7 @@ class CollectiveSenderPlane:
         packed = torch.cuda.Event()  # type: ignore[no-untyped-call]
         if self.options.per_tensor:
             with torch.cuda.stream(caller):  # a copy made here is made where the tensors are
-                self._segments[index] = _segments(plan, self.device)
+                parts = _segments(plan, self.device)
             packed.record(caller)
         else:
             side = self._stream
@@ -243,32 +242,32 @@ class CollectiveSenderPlane:
                 pack_bucket(self._buffers[index], plan)
             packed.record(side)
             caller.wait_event(packed)
-        self._packed[index] = packed
+            parts = [self._buffers[index][: plan.used]]
+        # queued at once, from this thread: the broadcast waits for the packing on the GPU
+        ordered, deadline = self._ordered, Deadline.after(self.options.timeout)
+        then = caller if self.options.per_tensor else None
+        what = f"broadcast from buffer {index}"
+
+        def step() -> torch.cuda.Event:
+            return ordered.step(self._group(), parts, packed, deadline, what, then=then)
+
+        self._done[index] = self._executor.call_here(step, deadline=deadline, what=what)
+        self._inflight[index] = _DONE
 
     async def publish(self, index: int, used: int) -> None:
         """Queue the broadcast of buffer ``index`` and return (engines join it on the message).
 
-        Raises the group's error if an earlier broadcast failed.
+        NCCL: :meth:`pack` queued it already. Raises the group's error if an earlier
+        broadcast failed.
         """
         self._raise_failed()
+        if self._ordered is not None:
+            return
         deadline = Deadline.after(self.options.timeout)
-        job: Callable[[], None]
         parts = (
             self._segments.pop(index) if self.options.per_tensor else [self._buffers[index][:used]]
         )
-        ordered = self._ordered
-        if ordered is None:
-            job = lambda: ops.broadcast_many(self._group(), parts, 0, deadline)  # noqa: E731
-        else:
-            packed = self._packed.pop(index)
-            then = self._caller if self.options.per_tensor else None
-
-            def job() -> None:
-                what = f"broadcast from buffer {index}"
-                self._done[index] = ordered.step(
-                    self._group(), parts, packed, deadline, what, then=then
-                )
-
+        job = lambda: ops.broadcast_many(self._group(), parts, 0, deadline)  # noqa: E731
         self._inflight[index] = self._executor.submit(job)
 
     async def drain(self) -> None:
@@ -325,8 +324,11 @@ class CollectiveSenderPlane:
         self._hosted.close()
         self._buffers.clear()
         self._segments.clear()
-        self._packed.clear()
         self._done.clear()
+
+
+_DONE: concurrent.futures.Future[None] = concurrent.futures.Future()
+_DONE.set_result(None)  # a step queued from the packing thread: nothing left on the group's
 
 
 def _segments(plan: BucketPlan, device: torch.device) -> list[torch.Tensor]:

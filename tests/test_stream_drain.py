@@ -1,0 +1,49 @@
+"""A plane's ``drain`` (its sends still reading the trainer's tensors) and a version's end.
+
+The engines' closing messages (complete, commit) do not wait for the drain: each engine
+checks for itself that it holds every bucket whole. The trainer's ``packed`` event does:
+its tensors are free only once no send reads them.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
+from tests.models import assert_same, mixed_weights, zeros_like
+from tests.test_stream import GUARD, bump, contiguous
+
+SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
+
+
+@pytest.mark.parametrize(("engines", "policy"), [(1, "all"), (2, "available")])
+async def test_the_engines_commit_while_the_plane_still_drains(engines: int, policy: str) -> None:
+    """Where each engine's commit depends on its own check alone (one engine, or policy
+    ``available``: see ``StreamRun._may_commit_at_once``)."""
+    base = mixed_weights()
+    targets = [zeros_like(base) for _ in range(engines)]
+    async with (
+        WeightReceiver(ModuleSink(targets[0])) as first,
+        WeightReceiver(ModuleSink(targets[-1])) as last,
+    ):
+        receivers = [first, last][:engines]
+        endpoints = [r.endpoint for r in receivers]
+        async with WeightSender(endpoints, config=SMALL) as sender:
+            packed = anyio.Event()
+            seen: dict[str, object] = {}
+
+            async def drain() -> None:  # held until every engine committed the version
+                seen["packed when draining"] = packed.is_set()
+                with anyio.fail_after(GUARD):
+                    while any(r.current_version != 0 for r in receivers):
+                        await anyio.sleep(0.01)
+                seen["drained"] = True
+
+            sender._plane.drain = drain  # type: ignore[union-attr]
+            weights = bump(base, 1)
+            report = await sender.send(weights, version=0, packed=packed, policy=policy)
+    assert seen == {"packed when draining": False, "drained": True}
+    assert report.committed == endpoints
+    for target in targets:
+        assert_same(target, contiguous(weights))
