@@ -54,6 +54,19 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int, deadline
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
+def connect(group: dist.ProcessGroup, device: torch.device, deadline: Deadline) -> None:
+    """NCCL: make the group's communicator now, with a one-byte broadcast; blocking.
+
+    NCCL connects a group's ranks at its first collective, and that call blocks until every
+    rank made it. Made at join, on the group's thread, it leaves the later collectives that
+    only queue (steps issued from a packing or applying thread) nothing to block on. Gloo
+    (a CPU device): nothing to do.
+    """
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device), 0, deadline)
+
+
 def broadcast_many(
     group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int, deadline: Deadline
 ) -> None:

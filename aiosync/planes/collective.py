@@ -164,6 +164,7 @@ class CollectiveSenderPlane:
                 self.backend, store=store, world_size=world, rank=0, group_name=self._name,
                 timeout=wait,
             )  # fmt: skip
+            ops.connect(self._executor.group, self.device, Deadline.after(options.timeout))
 
         self._joined = self._executor.submit(join)
 

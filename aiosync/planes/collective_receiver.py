@@ -132,6 +132,7 @@ class CollectiveReceiverPlane:
             spec.backend, store=store, world_size=spec.world_size, rank=rank,
             group_name=spec.group, timeout=wait,
         )  # fmt: skip
+        ops.connect(self._executor.group, self._device, Deadline.after(self._timeout))
         log.info("joined group %s as rank %d of %d", spec.group, rank, spec.world_size)
 
     def expect(self, index: int, specs: list[TensorSpec]) -> None:
