@@ -22,15 +22,14 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from aiosync.collectives.deadline import Deadline as Deadline
 from aiosync.collectives.process_group import abort_side_group, destroy_side_group
 from aiosync.core.errors import AiosyncError, PeerGoneError, SyncTimeoutError, UsageError
 
@@ -42,32 +41,9 @@ MAX_PENDING = 4096
 """Most jobs queued on one executor (the pipeline queues at most one per buffer or tensor)."""
 
 
-@dataclass(frozen=True)
-class Deadline:
-    """A point in time (monotonic clock) that a whole sync must finish by."""
-
-    seconds: float
-    end: float = field(default=0.0)
-
-    def __post_init__(self) -> None:
-        if self.seconds <= 0:
-            raise ValueError(f"a deadline must be positive, got {self.seconds}")
-        if self.end == 0.0:
-            object.__setattr__(self, "end", time.monotonic() + self.seconds)
-
-    @classmethod
-    def after(cls, seconds: float) -> Deadline:
-        """The deadline ``seconds`` from now."""
-        return cls(seconds)
-
-    def remaining(self) -> float:
-        """Seconds left (never negative)."""
-        return max(0.0, self.end - time.monotonic())
-
-    @property
-    def expired(self) -> bool:
-        """True once the deadline has passed."""
-        return time.monotonic() >= self.end
+def _cause(exc: Exception) -> Exception | None:
+    """What a mapped error is raised from: the original, unless it was aiosync's already."""
+    return None if isinstance(exc, AiosyncError) else exc
 
 
 def collective_error(exc: BaseException, what: str, peers: Sequence[str]) -> AiosyncError:
@@ -226,10 +202,8 @@ class GroupExecutor:
             return await asyncio.wait_for(asyncio.wrap_future(future), deadline.remaining())
         except TimeoutError:
             raise self.fail(self._timeout(what, deadline, peers)) from None
-        except AiosyncError as exc:
-            raise self.fail(exc) from None
         except Exception as exc:
-            raise self.fail(collective_error(exc, what, peers)) from exc
+            raise self._failed(exc, what, peers) from _cause(exc)
 
     def call(
         self,
@@ -250,13 +224,12 @@ class GroupExecutor:
         what: str = "collective",
         peers: Sequence[str] = (),
     ) -> T:
-        """:meth:`call`, but run on the calling thread when no job is queued or running.
+        """:meth:`call`, run on the calling thread when no job is queued or running.
 
-        For work that only queues (an NCCL step ordered by CUDA events): it keeps the
-        group's order (nothing else of the group runs meanwhile, and jobs submitted earlier
-        run first: with any still queued, this is :meth:`call`) and saves the hand-over to
-        the group's thread and back, which is on the critical path of a version's first
-        bucket. Errors break the group as in :meth:`run`.
+        For work that only queues (an NCCL step ordered by CUDA events): the group's order
+        holds (nothing else of it runs meanwhile; with jobs still queued, this is
+        :meth:`call`), and the hand-over to the group's thread and back, on the critical
+        path of a version's first bucket, is saved. Errors break the group as in :meth:`run`.
         """
         if not self._turn.acquire(timeout=deadline.remaining()):
             raise self.fail(self._timeout(what, deadline, peers))
@@ -269,10 +242,8 @@ class GroupExecutor:
                 self._busy = True
                 try:
                     return job()
-                except AiosyncError as exc:
-                    raise self.fail(exc) from None
                 except Exception as exc:
-                    raise self.fail(collective_error(exc, what, peers)) from exc
+                    raise self._failed(exc, what, peers) from _cause(exc)
                 finally:
                     self._busy = False
         finally:
@@ -292,10 +263,8 @@ class GroupExecutor:
             return future.result(deadline.remaining())
         except concurrent.futures.TimeoutError:
             raise self.fail(self._timeout(what, deadline, peers)) from None
-        except AiosyncError as exc:
-            raise self.fail(exc) from None
         except Exception as exc:
-            raise self.fail(collective_error(exc, what, peers)) from exc
+            raise self._failed(exc, what, peers) from _cause(exc)
 
     def fail(self, error: AiosyncError) -> AiosyncError:
         """Break the group with ``error`` (the first error wins), abort it; return the error."""
@@ -307,6 +276,10 @@ class GroupExecutor:
             log.warning("group %s broken: %s", self.name, error)
             self._abort_group()
         return self.broken or error
+
+    def _failed(self, exc: Exception, what: str, peers: Sequence[str]) -> AiosyncError:
+        """A job raised ``exc``: the group breaks (its ranks are out of step)."""
+        return self.fail(collective_error(exc, what, peers))
 
     def _timeout(self, what: str, deadline: Deadline, peers: Sequence[str]) -> SyncTimeoutError:
         who = ", ".join(peers) or None
