@@ -80,6 +80,9 @@ class BucketFanout:
         self.timeout = min(link.timeout for link in links.values())
         self._limiter = anyio.CapacityLimiter(1)
         self._consumed = getattr(plane, "consumed", None)
+        # a plane's step that only queues the send of a bucket (a collective plane's
+        # broadcast): taken in the packing thread, for a bucket sure to be published
+        self._queue: Callable[[int], None] | None = getattr(plane, "queue", None)
         # a collective plane: every engine of the group joins every broadcast, so one that
         # refuses is still sent the version's buckets (it drops them) and its refusal is
         # counted, not raised: the others complete (``_following`` names such engines)
@@ -221,6 +224,8 @@ class BucketFanout:
         ring = index
         try:
             self.plane.pack(index, plan)
+            if self._gate is None and self._queue is not None:  # sure to be published
+                self._queue(index)
         except MismatchError as exc:  # names the tensor that failed
             raise MismatchError(exc.reason, version=self.version, tensor=exc.tensor) from exc
         except AiosyncError:  # the plane's own failure (a broadcast timed out, a peer gone)

@@ -24,7 +24,17 @@ from aiosync.core.wire import PlaneSpec
 
 
 class SenderPlane(Protocol):
-    """The trainer's side of a data plane: a ring of buffers to pack and publish."""
+    """The trainer's side of a data plane: a ring of buffers to pack and publish.
+
+    Optional hooks the pipeline looks up by name, where a plane needs them:
+    ``begin_version()`` (on the caller's thread, before a version's first pack: a CUDA
+    plane takes the caller's stream), ``queue(index)`` (in the packing thread right after
+    ``pack``, for a bucket sure to be published: a collective plane queues its broadcast
+    there; ``publish`` must then do what ``queue`` was not called for), ``consumed(index,
+    events)`` (an engine acked the buffer: its reads' events), ``drain()`` (after the last
+    bucket, before the trainer's tensors are free: sends still reading them), and
+    ``joins_all`` (every engine takes part in every send, even one it refused).
+    """
 
     @property
     def spec(self) -> PlaneSpec:

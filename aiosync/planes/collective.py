@@ -39,6 +39,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import anyio
 import torch
@@ -155,6 +156,9 @@ class CollectiveSenderPlane:
                 buffer.record_stream(self._stream)
         self._segments: dict[int, list[torch.Tensor]] = {}
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
+        # NCCL, per buffer: a packed bucket's parts, its packed event and the stream to
+        # hold behind its broadcast, until queued
+        self._ready: dict[int, tuple[list[torch.Tensor], torch.cuda.Event, Any]] = {}
         self._done: dict[int, torch.cuda.Event] = {}
         self._caller: torch.cuda.Stream | None = None
         world, store = 1 + options.engines, token_store(self._hosted.store, self._token)
@@ -213,8 +217,8 @@ class CollectiveSenderPlane:
         """Fill buffer ``index`` (or, per tensor, keep the tensors' bytes); blocking.
 
         Gloo: waits first for the broadcast last queued from that buffer. NCCL: queues the
-        packing after that broadcast and this bucket's broadcast after the packing (CUDA
-        events, no wait for the device), from this thread when the group's is idle.
+        packing after that broadcast (CUDA events, no wait for the device); :meth:`queue`
+        then queues this bucket's broadcast.
         """
         previous = self._inflight.pop(index, None)
         if previous is not None:
@@ -244,9 +248,25 @@ class CollectiveSenderPlane:
             packed.record(side)
             caller.wait_event(packed)
             parts = [self._buffers[index][: plan.used]]
-        # queued at once, from this thread: the broadcast waits for the packing on the GPU
-        ordered, deadline = self._ordered, Deadline.after(self.options.timeout)
         then = caller if self.options.per_tensor else None
+        self._ready[index] = (parts, packed, then)
+
+    def queue(self, index: int) -> None:
+        """NCCL: queue the broadcast of the bucket packed in ``index``; blocking, never long.
+
+        The broadcast waits for the packing on the GPU. Called from the packing thread
+        right after :meth:`pack` when the bucket is sure to be published (the pipeline's
+        ``queue`` hook; :meth:`publish` does it otherwise), it runs there when the group's
+        thread is idle (:meth:`GroupExecutor.call_here`): no hand-over before the bucket
+        message leaves. A bucket packed but never published is never queued, so no rank
+        is left waiting on a broadcast the engines were not told of.
+        """
+        ready = self._ready.pop(index, None)
+        ordered = self._ordered
+        if ready is None or ordered is None:
+            return
+        parts, packed, then = ready
+        deadline = Deadline.after(self.options.timeout)
         what = f"broadcast from buffer {index}"
 
         def step() -> torch.cuda.Event:
@@ -258,11 +278,13 @@ class CollectiveSenderPlane:
     async def publish(self, index: int, used: int) -> None:
         """Queue the broadcast of buffer ``index`` and return (engines join it on the message).
 
-        NCCL: :meth:`pack` queued it already. Raises the group's error if an earlier
-        broadcast failed.
+        NCCL: queued by :meth:`queue` (in a worker thread if the pipeline has not yet).
+        Raises the group's error if an earlier broadcast failed.
         """
         self._raise_failed()
         if self._ordered is not None:
+            if index in self._ready:
+                await anyio.to_thread.run_sync(self.queue, index)
             return
         deadline = Deadline.after(self.options.timeout)
         parts = (
@@ -325,6 +347,7 @@ class CollectiveSenderPlane:
         self._hosted.close()
         self._buffers.clear()
         self._segments.clear()
+        self._ready.clear()
         self._done.clear()
 
 

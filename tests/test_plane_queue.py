@@ -1,0 +1,83 @@
+"""A plane's ``queue`` hook: the send of a bucket is queued only once it will be published.
+
+A collective plane queues each bucket's broadcast from the packing thread (no hand-over
+before the bucket message leaves). Under policy ``all`` with several engines, bucket 1 is
+packed while the engines check the begin; a refusal then means it is never published, and
+a broadcast queued for it would leave the trainer's rank waiting for engines never told
+of it. These tests wrap a real plane and record what the pipeline calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from aiosync import RejectedError, SenderConfig, WeightSender
+from tests.models import mixed_weights, zeros_like
+from tests.test_stream import bump, receivers, refusing_target
+
+SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
+
+
+class RecordingPlane:
+    """The sender's plane, with a ``queue`` hook; records (call, buffer, thread)."""
+
+    def __init__(self, plane: Any) -> None:
+        self._plane = plane
+        self.calls: list[tuple[str, int, bool]] = []
+        self._loop_thread = threading.get_ident()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._plane, name)
+
+    def _note(self, call: str, index: int) -> None:
+        self.calls.append((call, index, threading.get_ident() == self._loop_thread))
+
+    def pack(self, index: int, plan: Any) -> None:
+        self._note("pack", index)
+        self._plane.pack(index, plan)
+
+    def queue(self, index: int) -> None:
+        self._note("queue", index)
+
+    async def publish(self, index: int, used: int) -> None:
+        self._note("publish", index)
+        await self._plane.publish(index, used)
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+async def test_every_published_bucket_is_queued_in_the_packing_thread(engines: int) -> None:
+    base = mixed_weights()
+    async with (
+        receivers([zeros_like(base) for _ in range(engines)]) as fleet,
+        WeightSender([e.endpoint for e in fleet], config=SMALL) as sender,
+    ):
+        plane = RecordingPlane(sender._plane)
+        sender._plane = plane  # type: ignore[assignment]
+        report = await sender.send(bump(base, 1), version=0)
+    calls = [call for call, _, _ in plane.calls]
+    assert calls.count("pack") == calls.count("publish") == report.buckets
+    packs = [i for i, (call, _, _) in enumerate(plane.calls) if call == "pack"]
+    for n, at in enumerate(packs):  # each pack is followed by its queue, then its publish
+        call, index, on_loop = plane.calls[at + 1]
+        gated = engines > 1 and n == 0  # bucket 1 waits for every engine's answer to the begin
+        if gated:
+            assert call == "publish"  # the plane queues it itself
+        else:
+            assert (call, index, on_loop) == ("queue", plane.calls[at][1], False)
+
+
+async def test_a_bucket_held_back_by_a_refusal_is_never_queued_or_published() -> None:
+    base = mixed_weights()
+    targets = [zeros_like(base), refusing_target(base)]
+    async with (
+        receivers(targets) as fleet,
+        WeightSender([e.endpoint for e in fleet], config=SMALL) as sender,
+    ):
+        plane = RecordingPlane(sender._plane)
+        sender._plane = plane  # type: ignore[assignment]
+        with pytest.raises(RejectedError):
+            await sender.send(bump(base, 1), version=0)
+    assert [call for call, _, _ in plane.calls] == ["pack"]  # bucket 1, packed meanwhile
