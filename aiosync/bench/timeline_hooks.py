@@ -103,7 +103,7 @@ def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
 
 def trainer_hooks(rec: Recorder) -> None:
     """Mark the trainer's steps: send, read, begin, each bucket's pack/send/ack, commit."""
-    from aiosync.pipeline import fanout, links, stream
+    from aiosync.pipeline import ahead, fanout, links, stream
     from aiosync.planes import cuda_legacy, shm
     from aiosync.trainer import direct, sender
 
@@ -156,6 +156,15 @@ def trainer_hooks(rec: Recorder) -> None:
 
         return wrapped
 
+    def pack_ahead(orig: Any) -> Any:  # bucket 1, packed in the thread that read
+        @functools.wraps(orig)
+        def wrapped(*args: Any) -> Any:
+            rec.mark("packcall0", 1)
+            orig(*args)
+            rec.mark("packcall1", 1)
+
+        return wrapped
+
     def send_one(orig: Any) -> Any:
         async def wrapped(self: Any, link: Any, packed: Any, inflight: Any) -> None:
             await orig(self, link, packed, inflight)
@@ -190,6 +199,7 @@ def trainer_hooks(rec: Recorder) -> None:
     _wrap(cuda_legacy, "_pack", pack_bucket)
     _wrap(shm, "pack_bucket", pack_bucket)
     _wrap(fanout.BucketFanout, "_pack_next", pack_next)
+    _wrap(ahead, "pack_plan", pack_ahead)
     _wrap(fanout.BucketFanout, "_send_one", send_one)
     _wrap(links.EngineLink, "recv_ack", recv_ack)
     _wrap(stream.StreamRun, "__init__", stream_init)

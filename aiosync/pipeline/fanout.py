@@ -27,6 +27,7 @@ from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import FleetVote
 from aiosync.core.wire import Bucket, Slot, encode
+from aiosync.pipeline.ahead import FIRST_BUFFER, next_plan, pack_plan
 from aiosync.pipeline.ledger import BufferLedger
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncProgress
@@ -99,12 +100,14 @@ class BucketFanout:
         plans: Iterator[BucketPlan],
         begin: bytes | None,
         opening: Callable[[], Awaitable[None]] | None = None,
+        first: BucketPlan | None = None,
     ) -> None:
         """Stream every planned bucket to every live engine (opening with ``begin`` if given).
 
         ``opening`` (the engines' acceptance of a begin sent and answered apart) runs while
         bucket 1 is packed; nothing is published or sent before it ended, and nothing at
-        all if it left the version hopeless (a refusal under policy ``all``).
+        all if it left the version hopeless (a refusal under policy ``all``). ``first``:
+        the plan of bucket 1, packed already (:func:`~aiosync.pipeline.ahead.read_ahead`).
         """
         count = self.plane.count
         begin_version = getattr(self.plane, "begin_version", None)
@@ -124,7 +127,7 @@ class BucketFanout:
             if opening is not None:
                 self._gate = anyio.Event()
                 tg.start_soon(self._open_all, opening, self._gate)
-            await self._pack_stage(plans, (free_tx, free_rx), ledger, outboxes)
+            await self._pack_stage(plans, (free_tx, free_rx), ledger, outboxes, first)
 
     async def _open_all(self, opening: Callable[[], Awaitable[None]], gate: anyio.Event) -> None:
         try:
@@ -149,6 +152,7 @@ class BucketFanout:
         ring: tuple[Sending[int], Receiving[int]],
         ledger: BufferLedger[_Packed],
         outboxes: dict[str, Sending[_Packed]],
+        first: BucketPlan | None,
     ) -> None:
         freed, free = ring
         try:
@@ -157,9 +161,14 @@ class BucketFanout:
                     index = free.receive_nowait()
                 except anyio.WouldBlock:
                     index = await self._free_buffer(free)
-                packed = await anyio.to_thread.run_sync(
-                    self._pack_next, plans, index, limiter=self._limiter
-                )
+                packed: _Packed | None
+                if first is not None:  # packed while the version was read
+                    assert index == FIRST_BUFFER, "every buffer is free when a version starts"
+                    packed, first = self._packed(first, index), None
+                else:
+                    packed = await anyio.to_thread.run_sync(
+                        self._pack_next, plans, index, limiter=self._limiter
+                    )
                 if packed is None:
                     return await self._end_packing(outboxes)
                 if self._gate is not None and not await self._accepted(self._gate):
@@ -213,31 +222,17 @@ class BucketFanout:
 
     def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> _Packed | None:
         """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""
-        try:
-            plan = next(plans, None)
-        except AiosyncError:
-            raise
-        except Exception as exc:
-            raise MismatchError(f"cannot read the tensors: {exc}", version=self.version) from exc
+        plan = next_plan(plans, self.version)
         if plan is None:
             return None
-        ring = index
-        try:
-            self.plane.pack(index, plan)
-            if self._gate is None and self._queue is not None:  # sure to be published
-                self._queue(index)
-        except MismatchError as exc:  # names the tensor that failed
-            raise MismatchError(exc.reason, version=self.version, tensor=exc.tensor) from exc
-        except AiosyncError:  # the plane's own failure (a broadcast timed out, a peer gone)
-            raise
-        except Exception as exc:
-            names = ", ".join(spec.name for spec in plan.specs[:3])
-            raise MismatchError(
-                f"cannot pack ({names}): {exc}",
-                version=self.version,
-                tensor=plan.first_name,
-            ) from exc
-        plan.tensors.clear()  # packed: a generator's tensors may be freed now
+        pack_plan(self.plane, index, plan, self.version)
+        if self._gate is None and self._queue is not None:  # sure to be published
+            self._queue(index)
+        return self._packed(plan, index)
+
+    def _packed(self, plan: BucketPlan, ring: int) -> _Packed:
+        """A packed bucket counted and its message encoded (``ring``: the buffer it took)."""
+        index = ring
         self.sent_buckets += 1
         tensors = plan.whole_tensors
         self.sent_tensors += tensors

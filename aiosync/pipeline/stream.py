@@ -18,7 +18,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import anyio
-import msgspec
 
 from aiosync.core.errors import (
     AiosyncError,
@@ -28,7 +27,8 @@ from aiosync.core.errors import (
 from aiosync.core.layout import BucketPlan
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import EngineOutcome, FleetVote, Policy, Verdict
-from aiosync.core.wire import Abort, Begin, Commit, Complete, encode
+from aiosync.core.wire import Abort, Commit, Complete, encode
+from aiosync.pipeline.begin import begin_is_cheap, encode_begin
 from aiosync.pipeline.fanout import BucketFanout
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncProgress, SyncReport
@@ -38,40 +38,18 @@ from aiosync.runtime import unwrap_group
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 1.0
-LOOP_ENTRIES = 1024
-"""Manifest entries up to which the ``begin`` is encoded on the event loop (about 70 µs)."""
 
 
-class _RawBegin(msgspec.Struct, frozen=True, tag="begin"):
-    """A :class:`~aiosync.core.wire.Begin` whose manifest is already msgpack: same bytes."""
+def may_stream_before_accepted(engines: int, policy: Policy) -> bool:
+    """Whether a version's buckets may follow its ``begin`` before the engines accepted it.
 
-    version: int
-    manifest: msgspec.Raw | None = None
-    empty: bool = False
-    rebase: bool = False
-
-
-class _ManifestBytes:
-    """The last manifest encoded, by identity: a sender's unchanged layout reuses its list.
-
-    (:class:`~aiosync.core.layout_memory.LayoutMemory` hands the same list out while the
-    names, dtypes and shapes hold, so a hit costs no per-entry work.)
+    An engine never applies a bucket of a version it has not accepted, so streaming at
+    once costs nothing to an engine that refuses; it saves the round trip and the engine's
+    check of the manifest. But under policy ``all`` with several engines, the others would
+    apply (in place) part of a version that one refusal dooms, so there every engine
+    accepts first (while bucket 1 is packed, not yet published).
     """
-
-    def __init__(self) -> None:
-        self._last: tuple[list[TensorMeta], msgspec.Raw] | None = None
-
-    def get(self, manifest: list[TensorMeta]) -> msgspec.Raw | None:
-        last = self._last
-        return last[1] if last is not None and last[0] is manifest else None
-
-    def put(self, manifest: list[TensorMeta]) -> msgspec.Raw:
-        raw = msgspec.Raw(msgspec.msgpack.encode(manifest))
-        self._last = (manifest, raw)  # holding the list: its id is never reused meanwhile
-        return raw
-
-
-_MANIFESTS = _ManifestBytes()
+    return engines == 1 or policy is Policy.AVAILABLE
 
 
 class StreamRun:
@@ -91,6 +69,7 @@ class StreamRun:
         packed: anyio.Event | None = None,
         check_snapshot: Callable[[], None] | None = None,
         started: float | None = None,
+        first: BucketPlan | None = None,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
@@ -99,6 +78,7 @@ class StreamRun:
         self.flags = {"empty": empty, "rebase": rebase}
         self._packed = packed
         self._check_snapshot = check_snapshot
+        self._first = first  # bucket 1, packed while the version was read
         self.vote = FleetVote(list(self.links), policy)
         self.progress = progress
         self._fanout: BucketFanout | None = None
@@ -113,7 +93,7 @@ class StreamRun:
     async def run(self, plans: Iterator[BucketPlan]) -> SyncReport:
         """Stream every planned bucket to every engine, then commit under the policy."""
         try:
-            if self._begin_is_cheap():
+            if begin_is_cheap(self.manifest):
                 payload: bytes | None = self._begin_message()  # no thread hop
             else:
                 payload = await anyio.to_thread.run_sync(self._begin_message)
@@ -142,45 +122,15 @@ class StreamRun:
         """The encoded ``begin``; without the manifest when an engine could not take it.
 
         A version past an engine's limits on manifest size still streams: each bucket then
-        names its tensors, and the engine checks coverage when the version completes. The
-        manifest's bytes are kept: the next version with the same manifest list reuses them.
+        names its tensors, and the engine checks coverage when the version completes.
         """
-        manifest, raw = self.manifest, None
-        if manifest is not None:
-            raw = _MANIFESTS.get(manifest)
-            if raw is None:
-                raw = _MANIFESTS.put(manifest)
-        payload = msgspec.msgpack.encode(_RawBegin(self.version, raw, **self.flags))
         limits = [link.session.limits for link in self.links.values()]
-        too_many = len(self.manifest or ()) > min(x.max_manifest_tensors for x in limits)
-        if self.manifest is not None and (
-            too_many or len(payload) > min(x.max_message_bytes for x in limits)
-        ):
-            log.info("version %d goes without a manifest (past an engine's limits)", self.version)
-            self.manifest = None
-            payload = encode(Begin(self.version, None, **self.flags))
+        payload, self.manifest = encode_begin(self.version, self.manifest, self.flags, limits)
         return payload
 
-    def _begin_is_cheap(self) -> bool:
-        """Whether encoding the ``begin`` is bounded work (then it runs on the loop).
-
-        True for a small manifest, or one whose bytes are kept from the last version.
-        """
-        manifest = self.manifest
-        if not manifest or len(manifest) <= LOOP_ENTRIES:
-            return True
-        return _MANIFESTS.get(manifest) is not None
-
     def _may_stream_before_accepted(self) -> bool:
-        """Whether buckets may follow ``begin`` before the engines accepted it.
-
-        An engine never applies a bucket of a version it has not accepted, so streaming
-        at once costs nothing to an engine that refuses; it saves the round trip and the
-        engine's check of the manifest. But under policy ``all`` with several engines, the
-        others would apply (in place) part of a version that one refusal dooms, so there
-        every engine accepts first (while bucket 1 is packed, not yet published).
-        """
-        return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
+        """Whether buckets may follow ``begin`` before the engines accepted it."""
+        return may_stream_before_accepted(len(self.links), self.vote.policy)
 
     def _may_commit_at_once(self) -> bool:
         """Whether each engine's ``commit`` may follow its ``complete`` before the ack.
@@ -362,7 +312,8 @@ class StreamRun:
             tail=functools.partial(self._send_ends, upto=ends) if ends else None,
         )
         self._fanout = fanout
-        await fanout.run(plans, begin, opening)
+        first, self._first = self._first, None
+        await fanout.run(plans, begin, opening, first)
 
     # --- outcome ----------------------------------------------------------------------
 

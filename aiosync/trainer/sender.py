@@ -14,12 +14,13 @@ and removed between versions. A version is committed under a :class:`Policy`: ``
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
 import time
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -32,18 +33,20 @@ import torch
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
-from aiosync.core.layout import ALIGNMENT, MAX_BUCKET_ITEMS, calculate_aligned_size
+from aiosync.core.layout import MAX_BUCKET_ITEMS, calculate_aligned_size
 from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.planning import read_source
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
+from aiosync.pipeline.ahead import read_ahead
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
-from aiosync.pipeline.stream import StreamRun
+from aiosync.pipeline.stream import StreamRun, may_stream_before_accepted
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.planes.direct import DirectSenderPlane
 from aiosync.runtime import require_asyncio, unwrap_group
+from aiosync.trainer.config import SenderConfig as SenderConfig
 from aiosync.trainer.direct import DirectReader
 from aiosync.trainer.snapshot import snapshot_check
 
@@ -62,43 +65,6 @@ class _Options:
     empty: bool
     rebase: bool
     packed: anyio.Event | None
-
-
-@dataclass(frozen=True)
-class SenderConfig:
-    """How a sender buffers, how long it waits and how it commits.
-
-    ``buffer_bytes`` is the size of each of the ``num_buffers`` buffers (rounded up to the
-    alignment); ``timeout`` bounds every wait on an engine, in seconds. Every ``keepalive``
-    seconds the sender tells idle engines it is alive (keep it well under their
-    ``session_timeout``); a caller's REQ socket cannot, so its sessions are short.
-    ``policy`` is the default commit policy, ``"all"`` or ``"available"``.
-    ``check_snapshot`` (a debugging aid) samples the tensors when a send starts and again
-    once they are packed, and fails the version if the trainer changed them in between.
-    ``direct`` (direct mode, :mod:`aiosync.trainer.direct`): engines read persistent
-    tensors in the trainer's memory (``True``: parameters and tensors placed by
-    :func:`aiosync.share_tensors`; or a collection of names) and the rest is packed.
-    """
-
-    buffer_bytes: int = 128 * MiB
-    num_buffers: int = 2
-    timeout: float = 60.0
-    keepalive: float = 10.0
-    name: str = ""
-    policy: Policy | str = Policy.ALL
-    check_snapshot: bool = False
-    direct: bool | Collection[str] = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.direct, bool):
-            object.__setattr__(self, "direct", frozenset(self.direct))
-        if self.num_buffers < 1:
-            raise ValueError("num_buffers must be at least 1")
-        if self.buffer_bytes < ALIGNMENT:
-            raise ValueError(f"buffer_bytes must be at least {ALIGNMENT}")
-        if self.timeout <= 0 or self.keepalive <= 0:
-            raise ValueError("timeout and keepalive must be positive")
-        object.__setattr__(self, "policy", Policy(self.policy))
 
 
 class WeightSender:
@@ -335,7 +301,15 @@ class WeightSender:
     ) -> SyncReport:
         started = time.perf_counter()  # the report's seconds cover reading the tensors too
         most = min(link.session.limits.max_bucket_tensors for link in self._links.values())
-        read = await anyio.to_thread.run_sync(
+        if version is None:
+            known = [v for v in self.remote_versions.values() if v is not None]
+            version = max(known) + 1 if known else 0
+        plane, chosen = self._plane, Policy(policy or self.config.policy)
+        assert plane is not None  # send() checked
+        begin_version = getattr(plane, "begin_version", None)
+        if begin_version is not None:  # a CUDA plane packs on this (the caller's) stream
+            begin_version()
+        reader = functools.partial(
             read_source if self._direct is None else self._direct.read,
             source,
             manifest,
@@ -343,22 +317,22 @@ class WeightSender:
             min(MAX_BUCKET_ITEMS, most),
             self._layouts.lay_out,
         )
-        if version is None:
-            known = [v for v in self.remote_versions.values() if v is not None]
-            version = max(known) + 1 if known else 0
+        sure = may_stream_before_accepted(len(self._links), chosen)
+        read, first = await anyio.to_thread.run_sync(read_ahead, reader, plane, version, sure)
         pairs = read.pairs
         run = StreamRun(
             links=list(self._links.values()),
-            plane=self._plane,  # type: ignore[arg-type]
+            plane=plane,  # type: ignore[arg-type]
             version=version,
             manifest=read.manifest,
-            policy=Policy(policy or self.config.policy),
+            policy=chosen,
             progress=progress,
             empty=options.empty,
             rebase=options.rebase,
             packed=options.packed,
             check_snapshot=snapshot_check(pairs) if self.config.check_snapshot and pairs else None,
             started=started,
+            first=first,
         )
         try:
             report = await run.run(read.plans)
