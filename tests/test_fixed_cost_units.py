@@ -23,7 +23,8 @@ from aiosync.core.manifest import TensorMeta
 from aiosync.core.stream_state import LIGHT_ENTRIES
 from aiosync.core.trainer_session import Policy
 from aiosync.core.wire import Ack, Begin, Bucket, Commit, Complete, Slot, encode
-from aiosync.pipeline.stream import _MANIFESTS, StreamRun, _RawBegin
+from aiosync.pipeline.begin import _MANIFESTS, _RawBegin
+from aiosync.pipeline.stream import StreamRun
 from tests.test_engine_session import (
     MANIFEST,
     PEER,

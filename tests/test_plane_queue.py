@@ -9,9 +9,11 @@ of it. These tests wrap a real plane and record what the pipeline calls.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any
 
+import anyio
 import pytest
 
 from aiosync import RejectedError, SenderConfig, WeightSender
@@ -81,3 +83,52 @@ async def test_a_bucket_held_back_by_a_refusal_is_never_queued_or_published() ->
         with pytest.raises(RejectedError):
             await sender.send(bump(base, 1), version=0)
     assert [call for call, _, _ in plane.calls] == ["pack"]  # bucket 1, packed meanwhile
+
+
+async def test_bucket_1_is_packed_in_the_thread_hop_that_read_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One hand-over fewer before the first byte moves (``pipeline/ahead.py``)."""
+    from aiosync.trainer import sender as sender_module
+
+    hop: contextvars.ContextVar[int] = contextvars.ContextVar("hop", default=0)
+    hops = [0]
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(func: Any, *args: Any, **kwargs: Any) -> Any:
+        hops[0] += 1
+        token = hop.set(hops[0])  # copied into the worker thread's context
+        try:
+            return await run_sync(func, *args, **kwargs)
+        finally:
+            hop.reset(token)
+
+    reads: list[int] = []
+    packs: list[int] = []
+    read_source = sender_module.read_source
+
+    def reading(*args: Any) -> Any:
+        reads.append(hop.get())
+        return read_source(*args)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    monkeypatch.setattr(sender_module, "read_source", reading)
+    base = mixed_weights()
+    async with (
+        receivers([zeros_like(base)]) as fleet,
+        WeightSender([e.endpoint for e in fleet], config=SMALL) as sender,
+    ):
+        plane = RecordingPlane(sender._plane)
+        pack = plane.pack
+
+        def noting_pack(index: int, plan: Any) -> None:
+            packs.append(hop.get())
+            pack(index, plan)
+
+        plane.pack = noting_pack  # type: ignore[method-assign]
+        sender._plane = plane  # type: ignore[assignment]
+        for version in range(2):
+            packs.clear()
+            report = await sender.send(bump(base, version), version=version)
+            assert reads[-1] == packs[0] != 0  # one hop read the version and packed bucket 1
+            assert len(set(packs)) == len(packs) == report.buckets > 1  # a hop each after

@@ -306,21 +306,19 @@ async def test_a_refused_last_bucket_with_the_ends_in_flight_commits_nothing() -
 async def test_under_all_bucket_1_is_packed_early_but_published_only_once_all_accepted(
     refused: bool, order: list[tuple[str, str, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiosync.pipeline.fanout import BucketFanout
     from aiosync.planes.shm import ShmSenderPlane
 
-    pack_next, publish = BucketFanout._pack_next, ShmSenderPlane.publish
-    gated: list[bool] = []  # per packing: whether the engines' answers were still awaited
+    pack, publish = ShmSenderPlane.pack, ShmSenderPlane.publish
 
-    def spy_pack(self: BucketFanout, *args: Any) -> Any:
-        gated.append(self._gate is not None)
-        return pack_next(self, *args)
+    def spy_pack(self: ShmSenderPlane, index: int, plan: Any) -> None:
+        order.append(("plane", "packed", index))
+        pack(self, index, plan)
 
     async def spy_publish(self: ShmSenderPlane, index: int, used: int) -> None:
         order.append(("plane", "published", index))
         await publish(self, index, used)
 
-    monkeypatch.setattr(BucketFanout, "_pack_next", spy_pack)
+    monkeypatch.setattr(ShmSenderPlane, "pack", spy_pack)
     monkeypatch.setattr(ShmSenderPlane, "publish", spy_publish)
     base = mixed_weights()
     targets = [zeros_like(base), refusing_target(base) if refused else zeros_like(base)]
@@ -333,7 +331,8 @@ async def test_under_all_bucket_1_is_packed_early_but_published_only_once_all_ac
             with pytest.raises(RejectedError, match="model has"):
                 await sender.send(base.items(), version=0)
             assert [e.current_version for e in engines] == [None, None]
-            assert gated == [True]  # bucket 1 packed, then the refusal: nothing more
+            packed = [e for e in order if e[1] == "packed"]
+            assert packed == [("plane", "packed", 0)]  # bucket 1, then the refusal: no more
             assert not [e for e in order if e[1] == "published"]
             assert not [e for e in order if e[1:] == ("sent", 1)]
             for target, old in zip(targets, before, strict=True):
@@ -341,9 +340,9 @@ async def test_under_all_bucket_1_is_packed_early_but_published_only_once_all_ac
             return
         report = await sender.send(base.items(), version=0)
         assert report.committed == [e.endpoint for e in engines]
-        assert gated[0] is True
-        assert not any(gated[1:])
         last_begin_ack = max(i for i, e in enumerate(order) if e[1:] == ("acked", 0))
+        first_pack = min(i for i, e in enumerate(order) if e[1] == "packed")
+        assert first_pack < last_begin_ack  # bucket 1 packed while the engines checked
         first_out = min(
             i for i, e in enumerate(order) if e[1] == "published" or e[1:] == ("sent", 1)
         )

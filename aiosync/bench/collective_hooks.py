@@ -62,13 +62,14 @@ def _broadcasts(rec: Recorder) -> None:
 
     from aiosync.collectives import ops
 
-    counts: dict[int, int] = {}
+    counts: dict[tuple[int, int], int] = {}
     ends: dict[Any, Any] = {}
     queue = ops.queue_broadcasts
 
     @functools.wraps(queue)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        seq = counts[rec.version] = counts.get(rec.version, 0) + 1
+        key = (rec.version, rec.sends)  # a trainer queues bucket 1 before its version is known
+        seq = counts[key] = counts.get(key, 0) + 1
         if not rec.enabled or not rec.cuda:
             rec.mark("bcast_host0", seq)
             works = queue(*args, **kwargs)

@@ -36,6 +36,7 @@ class Recorder:
         self.version = -1
         self.seq: int | None = None
         self.packs = 0
+        self.sends = 0  # a trainer's sends so far (a version is known only once read)
         self.marks: list[Mark] = []
         self._spans: list[tuple[str, int, int | None, Any, Any]] = []
         self._reference: tuple[Any, int] | None = None
@@ -111,6 +112,7 @@ def trainer_hooks(rec: Recorder) -> None:
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             first = len(rec.marks)
             rec.packs = 0
+            rec.sends += 1
             rec.mark("send0")
             try:
                 return await orig(self, *args, **kwargs)

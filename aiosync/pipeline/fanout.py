@@ -111,8 +111,8 @@ class BucketFanout:
         """
         count = self.plane.count
         begin_version = getattr(self.plane, "begin_version", None)
-        if begin_version is not None:  # a CUDA plane packs on this (the caller's) stream
-            begin_version()
+        if begin_version is not None and first is None:  # (else called before that packing)
+            begin_version()  # a CUDA plane packs on this (the caller's) stream
         free_tx, free_rx = anyio.create_memory_object_stream[int](count)
         for index in range(count):
             free_tx.send_nowait(index)
@@ -164,6 +164,7 @@ class BucketFanout:
                 packed: _Packed | None
                 if first is not None:  # packed while the version was read
                     assert index == FIRST_BUFFER, "every buffer is free when a version starts"
+                    await anyio.lowlevel.checkpoint()  # the begin leaves while this encodes
                     packed, first = self._packed(first, index), None
                 else:
                     packed = await anyio.to_thread.run_sync(

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -36,7 +36,7 @@ from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
 from aiosync.core.layout import MAX_BUCKET_ITEMS, calculate_aligned_size
 from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.manifest import TensorMeta
-from aiosync.core.planning import read_source
+from aiosync.core.planning import VersionSource, read_source
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
 from aiosync.pipeline.ahead import read_ahead
@@ -317,9 +317,17 @@ class WeightSender:
             min(MAX_BUCKET_ITEMS, most),
             self._layouts.lay_out,
         )
+        checks: list[Callable[[], None]] = []
+
+        def read_and_sample() -> VersionSource:  # sampled before bucket 1 is packed
+            read = reader()
+            if self.config.check_snapshot and read.pairs:
+                checks.append(snapshot_check(read.pairs))
+            return read
+
         sure = may_stream_before_accepted(len(self._links), chosen)
-        read, first = await anyio.to_thread.run_sync(read_ahead, reader, plane, version, sure)
-        pairs = read.pairs
+        job = functools.partial(read_ahead, read_and_sample, plane, version, sure)
+        read, first = await anyio.to_thread.run_sync(job)
         run = StreamRun(
             links=list(self._links.values()),
             plane=plane,  # type: ignore[arg-type]
@@ -330,7 +338,7 @@ class WeightSender:
             empty=options.empty,
             rebase=options.rebase,
             packed=options.packed,
-            check_snapshot=snapshot_check(pairs) if self.config.check_snapshot and pairs else None,
+            check_snapshot=checks[0] if checks else None,
             started=started,
             first=first,
         )
