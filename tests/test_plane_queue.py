@@ -1,10 +1,11 @@
 """A plane's ``queue`` hook: the send of a bucket is queued only once it will be published.
 
 A collective plane queues each bucket's broadcast from the packing thread (no hand-over
-before the bucket message leaves). Under policy ``all`` with several engines, bucket 1 is
-packed while the engines check the begin; a refusal then means it is never published, and
-a broadcast queued for it would leave the trainer's rank waiting for engines never told
-of it. These tests wrap a real plane and record what the pipeline calls.
+before the bucket message leaves), once nothing stands between the bucket and its
+publishing: bucket 1, packed in the thread that read the version, is queued by the
+plane's ``publish`` instead; under policy ``all`` with several engines a refusal of the
+begin means it is never published, and a broadcast queued for it would pair with the next
+version's first receive. These tests wrap a real plane and record what the pipeline calls.
 """
 
 from __future__ import annotations
@@ -64,8 +65,7 @@ async def test_every_published_bucket_is_queued_in_the_packing_thread(engines: i
     packs = [i for i, (call, _, _) in enumerate(plane.calls) if call == "pack"]
     for n, at in enumerate(packs):  # each pack is followed by its queue, then its publish
         call, index, on_loop = plane.calls[at + 1]
-        gated = engines > 1 and n == 0  # bucket 1 waits for every engine's answer to the begin
-        if gated:
+        if n == 0:  # bucket 1, packed as the version was read: its message encoded later
             assert call == "publish"  # the plane queues it itself
         else:
             assert (call, index, on_loop) == ("queue", plane.calls[at][1], False)

@@ -47,3 +47,43 @@ async def test_the_engines_commit_while_the_plane_still_drains(engines: int, pol
     assert report.committed == endpoints
     for target in targets:
         assert_same(target, contiguous(weights))
+
+
+async def test_under_a_collective_plane_the_commit_waits_for_the_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``joins_all``: the complete still leaves before the drain, the commit only after it
+    (an engine's receives ending does not show they carried this version)."""
+    from aiosync.core.trainer_session import LinkSession
+
+    events: list[tuple[str, int]] = []
+    sent = LinkSession.sent
+
+    def record(self: LinkSession, seq: int) -> None:
+        events.append(("sent", seq))
+        sent(self, seq)
+
+    monkeypatch.setattr(LinkSession, "sent", record)
+    base = mixed_weights()
+    target = zeros_like(base)
+    async with (
+        WeightReceiver(ModuleSink(target)) as receiver,
+        WeightSender([receiver.endpoint], config=SMALL) as sender,
+    ):
+        committed_while_draining: list[object] = []
+
+        async def drain() -> None:
+            await anyio.sleep(0.05)  # the links send their closing messages meanwhile
+            committed_while_draining.append(receiver.current_version)
+            events.append(("drained", 0))
+
+        plane = sender._plane
+        monkeypatch.setattr(plane, "drain", drain, raising=False)
+        monkeypatch.setattr(plane, "joins_all", True, raising=False)
+        weights = bump(base, 1)
+        report = await sender.send(weights, version=0)
+    complete, commit = report.buckets + 1, report.buckets + 2
+    order = [e for e in events if e in {("sent", complete), ("sent", commit), ("drained", 0)}]
+    assert order == [("sent", complete), ("drained", 0), ("sent", commit)]
+    assert committed_while_draining == [None]
+    assert_same(target, contiguous(weights))

@@ -3,7 +3,7 @@
 A profiling aid, never imported by the library. On top of
 :func:`~aiosync.bench.timeline_hooks.trainer_hooks` and
 :func:`~aiosync.bench.timeline_hooks.engine_hooks` it marks, on each side, the k-th
-broadcast of a version: when its group thread queued it (host) and when it ran (a GPU
+broadcast of a version: when it was queued (host) and when it ran (a GPU
 span on the stream it was queued on), the engine's ``view`` (posting the receive) and the
 version's one host wait (``settle``, ``drain``). :func:`collective_timeline` gives one row
 per bucket, in ms from the trainer's send.

@@ -190,8 +190,10 @@ class OrderedBroadcasts:
     """Queues a group's NCCL broadcasts on two streams of ``device``, watched by a deadline.
 
     Each step waits (on the GPU) for the event it is given, then broadcasts; an event
-    recorded after the broadcasts marks it done and is watched by :attr:`watch`. Used from
-    the group's executor thread (every rank issues its collectives in one order).
+    recorded after the broadcasts marks it done and is watched by :attr:`watch`. Used on the
+    group's turn (its executor thread, or a caller of
+    :meth:`~aiosync.collectives.executor.GroupExecutor.call_here`): every rank issues its
+    collectives in one order.
     ``peers`` names the other side in errors.
     """
 

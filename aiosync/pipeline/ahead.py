@@ -11,7 +11,7 @@ bucket, with the same errors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
 
 from aiosync.core.errors import AiosyncError, MismatchError
 from aiosync.core.layout import BucketPlan
@@ -54,22 +54,29 @@ def pack_plan(plane: SenderPlane, index: int, plan: BucketPlan, version: int) ->
     plan.tensors.clear()
 
 
+@dataclass(frozen=True)
+class PackedAhead:
+    """Bucket 1 as :func:`read_ahead` left it, its send not queued yet.
+
+    ``plan``: packed into buffer :data:`FIRST_BUFFER` (None for a version without
+    buckets), after the plane's ``begin_version``. A plane's ``queue`` hook waits until
+    the bucket's message is ready.
+    """
+
+    plan: BucketPlan | None
+
+
 def read_ahead(
-    read: Callable[[], VersionSource], plane: SenderPlane, version: int, sure: bool
-) -> tuple[VersionSource, BucketPlan | None]:
+    read: Callable[[], VersionSource], plane: SenderPlane, version: int
+) -> tuple[VersionSource, PackedAhead]:
     """Read a version and pack its bucket 1 into buffer :data:`FIRST_BUFFER`; blocking.
 
-    Returns what was read and bucket 1's plan (None for a version without tensors).
-    ``sure``: bucket 1 will be published once packed (the engines need not accept the
-    ``begin`` first), so the plane's ``queue`` hook is taken here too; otherwise the
-    plane's ``publish`` does its work.
+    Call the plane's ``begin_version`` first, on the caller's thread. A plane with a
+    ``queue`` hook (a collective plane) queues bucket 1's send only when it is published,
+    so a version that fails before that leaves nothing queued.
     """
     source = read()
     plan = next_plan(source.plans, version)
-    if plan is None:
-        return source, None
-    pack_plan(plane, FIRST_BUFFER, plan, version)
-    queue: Callable[[int], Any] | None = getattr(plane, "queue", None)
-    if sure and queue is not None:
-        queue(FIRST_BUFFER)
-    return source, plan
+    if plan is not None:
+        pack_plan(plane, FIRST_BUFFER, plan, version)
+    return source, PackedAhead(plan)

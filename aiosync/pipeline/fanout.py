@@ -1,14 +1,16 @@
 """Buckets to a fleet: pack each once, send it to every live engine, free it when all acked.
 
 A packer fills a free buffer (in a worker thread, with the planning and message encoding of
-that bucket) and publishes it; per engine, a send task sends each bucket message and an ack
-task matches the engine's acks. A buffer is free again once every live engine acked it (the
-:class:`~aiosync.pipeline.ledger.BufferLedger`), so the ring of buffers is the backpressure:
-with ``N`` buffers at most ``N`` buckets are in flight, to every engine at once.
-Once the last bucket went out, a ``tail`` (if given) sends each live engine's closing
-messages at once, before its acks are in (the stream's end, see ``StreamRun``). With an
-``opening`` (the engines checking a begin sent apart), bucket 1 is packed meanwhile and
-goes out only once the opening ended with the version still possible.
+that bucket; bucket 1 may come packed already, from the thread that read the version, and
+is then encoded after the begin left) and publishes it; per engine, a send task sends each
+bucket message and an ack task matches the engine's acks. A buffer is free again once
+every live engine acked it (the :class:`~aiosync.pipeline.ledger.BufferLedger`), so the
+ring of buffers is the backpressure: with ``N`` buffers at most ``N`` buckets are in
+flight, to every engine at once. Once the last bucket went out, a ``tail`` (if given)
+sends each live engine's closing messages at once, before its acks are in and before the
+plane's ``drain`` (the stream's end, see ``StreamRun``). With an ``opening`` (the engines
+checking a begin sent apart), bucket 1 is packed meanwhile and goes out only once the
+opening ended with the version still possible.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import FleetVote
 from aiosync.core.wire import Bucket, Slot, encode
-from aiosync.pipeline.ahead import FIRST_BUFFER, next_plan, pack_plan
+from aiosync.pipeline.ahead import FIRST_BUFFER, PackedAhead, next_plan, pack_plan
 from aiosync.pipeline.ledger import BufferLedger
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncProgress
@@ -82,7 +84,8 @@ class BucketFanout:
         self._limiter = anyio.CapacityLimiter(1)
         self._consumed = getattr(plane, "consumed", None)
         # a plane's step that only queues the send of a bucket (a collective plane's
-        # broadcast): taken in the packing thread, for a bucket sure to be published
+        # broadcast): taken in the packing thread once nothing stands between the bucket
+        # and its publishing (its message encoded, the engines' answers to the begin in)
         self._queue: Callable[[int], None] | None = getattr(plane, "queue", None)
         # a collective plane: every engine of the group joins every broadcast, so one that
         # refuses is still sent the version's buckets (it drops them) and its refusal is
@@ -100,18 +103,19 @@ class BucketFanout:
         plans: Iterator[BucketPlan],
         begin: bytes | None,
         opening: Callable[[], Awaitable[None]] | None = None,
-        first: BucketPlan | None = None,
+        first: PackedAhead | None = None,
     ) -> None:
         """Stream every planned bucket to every live engine (opening with ``begin`` if given).
 
         ``opening`` (the engines' acceptance of a begin sent and answered apart) runs while
         bucket 1 is packed; nothing is published or sent before it ended, and nothing at
         all if it left the version hopeless (a refusal under policy ``all``). ``first``:
-        the plan of bucket 1, packed already (:func:`~aiosync.pipeline.ahead.read_ahead`).
+        bucket 1 packed already, the plane's ``begin_version`` called
+        (:func:`~aiosync.pipeline.ahead.read_ahead`).
         """
         count = self.plane.count
         begin_version = getattr(self.plane, "begin_version", None)
-        if begin_version is not None and first is None:  # (else called before that packing)
+        if begin_version is not None and first is None:  # (else called before read_ahead)
             begin_version()  # a CUDA plane packs on this (the caller's) stream
         free_tx, free_rx = anyio.create_memory_object_stream[int](count)
         for index in range(count):
@@ -152,7 +156,7 @@ class BucketFanout:
         ring: tuple[Sending[int], Receiving[int]],
         ledger: BufferLedger[_Packed],
         outboxes: dict[str, Sending[_Packed]],
-        first: BucketPlan | None,
+        first: PackedAhead | None,
     ) -> None:
         freed, free = ring
         try:
@@ -162,10 +166,10 @@ class BucketFanout:
                 except anyio.WouldBlock:
                     index = await self._free_buffer(free)
                 packed: _Packed | None
-                if first is not None:  # packed while the version was read
+                if first is not None and first.plan is not None:  # packed as it was read
                     assert index == FIRST_BUFFER, "every buffer is free when a version starts"
-                    await anyio.lowlevel.checkpoint()  # the begin leaves while this encodes
-                    packed, first = self._packed(first, index), None
+                    packed = await self._encoded(first.plan, index)
+                    first = None
                 else:
                     packed = await anyio.to_thread.run_sync(
                         self._pack_next, plans, index, limiter=self._limiter
@@ -227,13 +231,25 @@ class BucketFanout:
         if plan is None:
             return None
         pack_plan(self.plane, index, plan, self.version)
-        if self._gate is None and self._queue is not None:  # sure to be published
+        packed = self._packed(plan, index)
+        if self._gate is None and self._queue is not None:  # nothing left before publishing
             self._queue(index)
-        return self._packed(plan, index)
+        return packed
+
+    async def _encoded(self, plan: BucketPlan, ring: int) -> _Packed:
+        """Bucket 1, packed already: its message encoded after the begin left.
+
+        On the loop where the planner knew the manifest's entries (a few slots to make);
+        in a worker thread where each tensor is looked up in a given manifest.
+        """
+        await anyio.lowlevel.checkpoint()  # the link stages send the begin first
+        if self.manifest is not None and len(plan.entries) != len(plan.specs):
+            return await anyio.to_thread.run_sync(self._packed, plan, ring)
+        return self._packed(plan, ring)
 
     def _packed(self, plan: BucketPlan, ring: int) -> _Packed:
         """A packed bucket counted and its message encoded (``ring``: the buffer it took)."""
-        index = ring
+        index = ring  # the buffer the message names: the ring's, or a direct plan's
         self.sent_buckets += 1
         tensors = plan.whole_tensors
         self.sent_tensors += tensors

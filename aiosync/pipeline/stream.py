@@ -28,6 +28,7 @@ from aiosync.core.layout import BucketPlan
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import EngineOutcome, FleetVote, Policy, Verdict
 from aiosync.core.wire import Abort, Commit, Complete, encode
+from aiosync.pipeline.ahead import PackedAhead
 from aiosync.pipeline.begin import begin_is_cheap, encode_begin
 from aiosync.pipeline.fanout import BucketFanout
 from aiosync.pipeline.links import EngineLink
@@ -38,18 +39,6 @@ from aiosync.runtime import unwrap_group
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 1.0
-
-
-def may_stream_before_accepted(engines: int, policy: Policy) -> bool:
-    """Whether a version's buckets may follow its ``begin`` before the engines accepted it.
-
-    An engine never applies a bucket of a version it has not accepted, so streaming at
-    once costs nothing to an engine that refuses; it saves the round trip and the engine's
-    check of the manifest. But under policy ``all`` with several engines, the others would
-    apply (in place) part of a version that one refusal dooms, so there every engine
-    accepts first (while bucket 1 is packed, not yet published).
-    """
-    return engines == 1 or policy is Policy.AVAILABLE
 
 
 class StreamRun:
@@ -69,7 +58,7 @@ class StreamRun:
         packed: anyio.Event | None = None,
         check_snapshot: Callable[[], None] | None = None,
         started: float | None = None,
-        first: BucketPlan | None = None,
+        first: PackedAhead | None = None,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
@@ -129,8 +118,15 @@ class StreamRun:
         return payload
 
     def _may_stream_before_accepted(self) -> bool:
-        """Whether buckets may follow ``begin`` before the engines accepted it."""
-        return may_stream_before_accepted(len(self.links), self.vote.policy)
+        """Whether buckets may follow ``begin`` before the engines accepted it.
+
+        An engine never applies a bucket of a version it has not accepted, so streaming
+        at once costs nothing to an engine that refuses; it saves the round trip and the
+        engine's check of the manifest. But under policy ``all`` with several engines, the
+        others would apply (in place) part of a version that one refusal dooms, so there
+        every engine accepts first (while bucket 1 is packed, not yet published).
+        """
+        return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
 
     def _may_commit_at_once(self) -> bool:
         """Whether each engine's ``commit`` may follow its ``complete`` before the ack.
@@ -225,10 +221,17 @@ class StreamRun:
         2: ``complete`` and ``commit`` (:meth:`_may_commit_at_once`, and no snapshot check
         stands between the packing and a commit); 1: ``complete`` only (a prepare commits
         nothing: the vote, or the snapshot check, still comes before any commit); 0: none
-        (:meth:`_ends_may_go_early`).
+        (:meth:`_ends_may_go_early`). A collective plane (``joins_all``) sends its
+        ``commit`` only after the plane's ``drain``: NCCL pairs broadcasts by their order,
+        so an engine whose receives all ended may still hold another version's bytes (a
+        broadcast a failed version left queued pairs with the next version's first
+        receive, and every later one shifts); the trainer's own broadcasts all ending is
+        what shows they were paired with this version's receives.
         """
         if not self._ends_may_go_early():
             return 0
+        if getattr(self.plane, "joins_all", False):
+            return 1  # see below
         return 2 if self._at_once and self._check_snapshot is None else 1
 
     async def _send_ends(self, link: EngineLink, upto: int) -> None:

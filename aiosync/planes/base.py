@@ -28,9 +28,10 @@ class SenderPlane(Protocol):
 
     Optional hooks the pipeline looks up by name, where a plane needs them:
     ``begin_version()`` (on the caller's thread, before a version's first pack: a CUDA
-    plane takes the caller's stream), ``queue(index)`` (in the packing thread right after
-    ``pack``, for a bucket sure to be published: a collective plane queues its broadcast
-    there; ``publish`` must then do what ``queue`` was not called for), ``consumed(index,
+    plane takes the caller's stream), ``queue(index)`` (in the packing thread after ``pack``,
+    once nothing stands between the bucket and its publishing: its message encoded, the
+    engines' answers to the begin in; a collective plane queues its broadcast there, and
+    ``publish`` does what ``queue`` was not called for), ``consumed(index,
     events)`` (an engine acked the buffer: its reads' events), ``drain()`` (after the last
     bucket, before the trainer's tensors are free: sends still reading them), and
     ``joins_all`` (every engine takes part in every send, even one it refused).

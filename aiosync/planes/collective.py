@@ -3,11 +3,12 @@
 The trainer is rank 0 of a side process group (:func:`aiosync.collectives.init_process_group`,
 NCCL on GPUs, Gloo on CPUs); each engine takes the next free rank when it opens the plane
 from the hello. The pipeline is unchanged: :meth:`CollectiveSenderPlane.pack` fills a
-buffer, :meth:`CollectiveSenderPlane.publish` queues its broadcast on the group's executor
-thread and returns, the bucket message goes to every engine, and each engine's
+buffer, its broadcast is queued (NCCL: :meth:`CollectiveSenderPlane.queue`, from the
+packing thread; Gloo: :meth:`CollectiveSenderPlane.publish` hands it to the group's
+thread), the bucket message goes to every engine, and each engine's
 :meth:`CollectiveReceiverPlane.view` posts the matching receive when it sees that message.
-Publishing never waits for the broadcast it queued (the engines only join it once the bucket
-message reached them), so bucket ``k + 1`` is packed while bucket ``k`` is broadcast.
+Nothing waits for a broadcast it queued (the engines only join it once the bucket message
+reached them), so bucket ``k + 1`` is packed while bucket ``k`` is broadcast.
 
 NCCL runs with no host wait per bucket on either side: packing, broadcasts, receives and
 the engine's copies out are chained on the GPUs by CUDA events
@@ -56,7 +57,7 @@ from aiosync.collectives.rendezvous import (
     token_store,
     valid_host,
 )
-from aiosync.core.errors import SyncTimeoutError, UsageError
+from aiosync.core.errors import PeerGoneError, SyncTimeoutError, UsageError
 from aiosync.core.layout import BucketPlan, is_plain, pack_bucket, tensor_bytes
 from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.planes.collective_receiver import (
@@ -115,11 +116,11 @@ class CollectiveSenderPlane:
     NCCL: no host wait per bucket. :meth:`pack` queues the copies on a side stream after
     the trainer's stream and after the buffer's previous broadcast (CUDA events), and the
     trainer's stream waits for the packing (its later writes cannot reach tensors still
-    being read); :meth:`publish` has the group's thread queue the broadcast after the
-    packing's event. A watcher aborts the group when a broadcast is not done by its
-    deadline, and :meth:`drain` (once per version, after the last bucket) waits for the
-    last one. Gloo runs each broadcast to its end on the group's thread, under its own
-    timeout.
+    being read); :meth:`queue` (or :meth:`publish`, where the pipeline did not call it)
+    queues the broadcast after the packing's event. A watcher aborts the group when a
+    broadcast is not done by its deadline, and :meth:`drain` (once per version, after the
+    last bucket) waits for the last one. Gloo runs each broadcast to its end on the
+    group's thread, under its own timeout.
     """
 
     def __init__(
@@ -157,8 +158,9 @@ class CollectiveSenderPlane:
         self._segments: dict[int, list[torch.Tensor]] = {}
         self._inflight: dict[int, concurrent.futures.Future[None]] = {}
         # NCCL, per buffer: a packed bucket's parts, its packed event and the stream to
-        # hold behind its broadcast, until queued
+        # hold behind its broadcast, until queued; then its buffer, until published
         self._ready: dict[int, tuple[list[torch.Tensor], torch.cuda.Event, Any]] = {}
+        self._unpublished: set[int] = set()
         self._done: dict[int, torch.cuda.Event] = {}
         self._caller: torch.cuda.Stream | None = None
         world, store = 1 + options.engines, token_store(self._hosted.store, self._token)
@@ -209,9 +211,23 @@ class CollectiveSenderPlane:
         return self._count
 
     def begin_version(self) -> None:
-        """NCCL: read this version's tensors after the calling thread's stream (the trainer's)."""
-        if self._ordered is not None:
-            self._caller = torch.cuda.current_stream(self.device)
+        """NCCL: read this version's tensors after the calling thread's stream (the trainer's).
+
+        A broadcast the last version queued but never published (it failed, or was
+        cancelled, in between) would pair with this version's first receive, NCCL matching
+        broadcasts by their order: the group is broken instead (reconnect with a new
+        sender), and this version fails at once.
+        """
+        if self._ordered is None:
+            return
+        self._ready.clear()  # packed, never queued: nothing to pair with
+        if self._unpublished:
+            error = PeerGoneError(
+                f"group {self._name}: a broadcast of the last version was queued but its "
+                "bucket never went out; the ranks are out of step (reconnect)"
+            )
+            raise self._executor.fail(error)
+        self._caller = torch.cuda.current_stream(self.device)
 
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Fill buffer ``index`` (or, per tensor, keep the tensors' bytes); blocking.
@@ -252,14 +268,15 @@ class CollectiveSenderPlane:
         self._ready[index] = (parts, packed, then)
 
     def queue(self, index: int) -> None:
-        """NCCL: queue the broadcast of the bucket packed in ``index``; blocking, never long.
+        """NCCL: queue the broadcast of the bucket packed in ``index``; blocking.
 
-        The broadcast waits for the packing on the GPU. Called from the packing thread
-        right after :meth:`pack` when the bucket is sure to be published (the pipeline's
-        ``queue`` hook; :meth:`publish` does it otherwise), it runs there when the group's
-        thread is idle (:meth:`GroupExecutor.call_here`): no hand-over before the bucket
-        message leaves. A bucket packed but never published is never queued, so no rank
-        is left waiting on a broadcast the engines were not told of.
+        The broadcast waits for the packing on the GPU; the host waits at most for the
+        group's thread to be free (its join, at the first version). The pipeline calls it
+        from the packing thread once nothing stands between the bucket and its publishing
+        (:meth:`publish` does it otherwise); it runs there when the group's thread is idle
+        (:meth:`GroupExecutor.call_here`): no hand-over before the bucket message leaves.
+        A bucket packed but never queued leaves nothing behind; one queued but never
+        published breaks the group at the next version (:meth:`begin_version`).
         """
         ready = self._ready.pop(index, None)
         ordered = self._ordered
@@ -273,7 +290,7 @@ class CollectiveSenderPlane:
             return ordered.step(self._group(), parts, packed, deadline, what, then=then)
 
         self._done[index] = self._executor.call_here(step, deadline=deadline, what=what)
-        self._inflight[index] = _DONE
+        self._unpublished.add(index)
 
     async def publish(self, index: int, used: int) -> None:
         """Queue the broadcast of buffer ``index`` and return (engines join it on the message).
@@ -285,6 +302,7 @@ class CollectiveSenderPlane:
         if self._ordered is not None:
             if index in self._ready:
                 await anyio.to_thread.run_sync(self.queue, index)
+            self._unpublished.discard(index)  # the pipeline sends its message right after
             return
         deadline = Deadline.after(self.options.timeout)
         parts = (
@@ -297,9 +315,10 @@ class CollectiveSenderPlane:
         """Once every bucket is published: return when no broadcast reads the trainer's memory.
 
         The pipeline calls it before it tells the trainer its tensors are free again (the
-        send's ``packed``). NCCL: every broadcast done (:meth:`settle`, in a worker thread),
-        so a version's broadcasts have ended before the engines are asked to commit. Gloo,
-        per tensor: every broadcast done. Gloo, packed: nothing to wait for.
+        send's ``packed``), and before any engine is told to commit (an engine's receives
+        all ending does not show they were paired with this version's broadcasts; see
+        ``StreamRun._tail_ends``). NCCL: every broadcast done (:meth:`settle`, in a worker
+        thread). Gloo, per tensor: every broadcast done. Gloo, packed: nothing to wait for.
         """
         if self._ordered is not None:
             await anyio.to_thread.run_sync(self.settle)
@@ -314,12 +333,8 @@ class CollectiveSenderPlane:
         Raises :class:`~aiosync.core.errors.SyncTimeoutError` (and aborts the group) past
         the plane's timeout, or the group's error if a broadcast failed.
         """
-        if self._ordered is None:
-            return
-        deadline = Deadline.after(self.options.timeout)
-        for future in list(self._inflight.values()):
-            self._executor.result(future, deadline=deadline, what="broadcast")
-        self._ordered.watch.settle(deadline)
+        if self._ordered is not None:
+            self._ordered.watch.settle(Deadline.after(self.options.timeout))
 
     def _group(self) -> torch.distributed.ProcessGroup:
         return joined_group(self._executor, self._joined, self._name)
@@ -348,11 +363,8 @@ class CollectiveSenderPlane:
         self._buffers.clear()
         self._segments.clear()
         self._ready.clear()
+        self._unpublished.clear()
         self._done.clear()
-
-
-_DONE: concurrent.futures.Future[None] = concurrent.futures.Future()
-_DONE.set_result(None)  # a step queued from the packing thread: nothing left on the group's
 
 
 def _segments(plan: BucketPlan, device: torch.device) -> list[torch.Tensor]:

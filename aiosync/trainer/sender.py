@@ -42,7 +42,7 @@ from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
 from aiosync.pipeline.ahead import read_ahead
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
-from aiosync.pipeline.stream import StreamRun, may_stream_before_accepted
+from aiosync.pipeline.stream import StreamRun
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.planes.direct import DirectSenderPlane
 from aiosync.runtime import require_asyncio, unwrap_group
@@ -318,15 +318,17 @@ class WeightSender:
             self._layouts.lay_out,
         )
         checks: list[Callable[[], None]] = []
+        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        stream = torch.cuda.current_stream() if cuda else None
 
         def read_and_sample() -> VersionSource:  # sampled before bucket 1 is packed
             read = reader()
             if self.config.check_snapshot and read.pairs:
-                checks.append(snapshot_check(read.pairs))
+                with torch.cuda.stream(stream):  # after the caller's writes, as it sees them
+                    checks.append(snapshot_check(read.pairs))
             return read
 
-        sure = may_stream_before_accepted(len(self._links), chosen)
-        job = functools.partial(read_ahead, read_and_sample, plane, version, sure)
+        job = functools.partial(read_ahead, read_and_sample, plane, version)
         read, first = await anyio.to_thread.run_sync(job)
         run = StreamRun(
             links=list(self._links.values()),
