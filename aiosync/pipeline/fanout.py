@@ -212,9 +212,10 @@ class BucketFanout:
         """Every bucket is packed: the links' closing messages go, then the trainer goes on.
 
         The links' queues close (each sends its closing messages), the plane's sends are
-        waited for, and the trainer is told its tensors are free. The closing messages need
-        not wait for the plane: each engine checks that it received every bucket whole (a
-        collective plane's engine settles its own receives) before it prepares.
+        waited for, and the trainer is told its tensors are free. The closing messages the
+        stream sends here need not wait for the plane: each engine checks that it received
+        every bucket whole before it prepares (a collective plane's commit is not among
+        them: see ``StreamRun._tail_ends``).
         """
         self.finished = True
         for outbox in outboxes.values():

@@ -231,7 +231,7 @@ class StreamRun:
         if not self._ends_may_go_early():
             return 0
         if getattr(self.plane, "joins_all", False):
-            return 1  # see below
+            return 1  # the commit waits for the drain (see above)
         return 2 if self._at_once and self._check_snapshot is None else 1
 
     async def _send_ends(self, link: EngineLink, upto: int) -> None:
