@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from aiosync.bench.timeline_hooks import BUCKET_COLUMNS, render, timeline
+from aiosync.bench.timeline_view import BUCKET_COLUMNS, render, timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 

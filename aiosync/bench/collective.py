@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from aiosync.bench import collective_hooks
 from aiosync.bench.model import LLAMA3_8B, llama_layout
-from aiosync.bench.timeline_hooks import Recorder, render
+from aiosync.bench.timeline_hooks import Recorder
+from aiosync.bench.timeline_view import render
 from aiosync.collectives import host_store, init_process_group, new_token, token_store
 from aiosync.collectives.rendezvous import connect_store
 

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from aiosync.bench import timeline_hooks
+from aiosync.bench import timeline_hooks, timeline_view
 from aiosync.bench.timeline_hooks import Mark, Recorder
 
 COLUMNS = [
@@ -164,4 +164,4 @@ def collective_timeline(
     trainer: Sequence[Mark], engine: Sequence[Mark], version: int
 ) -> dict[str, Any]:
     """One version's rows (ms from the trainer's send) and its phases."""
-    return timeline_hooks.timeline(trainer, engine, version, columns=COLUMNS, phases=PHASES)
+    return timeline_view.timeline(trainer, engine, version, columns=COLUMNS, phases=PHASES)

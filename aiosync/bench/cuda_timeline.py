@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 import torch
 
-from aiosync.bench import timeline_hooks, timeline_switches
+from aiosync.bench import timeline_hooks, timeline_switches, timeline_view
 from aiosync.bench.model import LLAMA3_8B, llama_layout
 
 MiB = 1 << 20
@@ -325,9 +325,9 @@ def trainer(args: argparse.Namespace) -> None:
         engine_marks = command("dump")["marks"]
         out["traced"] = []
         for version in sorted({m[2] for m in trainer_marks}):
-            view = timeline_hooks.timeline(trainer_marks, [tuple(m) for m in engine_marks], version)
+            view = timeline_view.timeline(trainer_marks, [tuple(m) for m in engine_marks], version)
             print(f"--- traced version {version} ({variants[0]})")
-            print(timeline_hooks.render(view), flush=True)
+            print(timeline_view.render(view), flush=True)
             out["traced"].append(view)
         if args.out:
             marks = {"trainer": trainer_marks, "engine": engine_marks}
