@@ -15,6 +15,8 @@ per bucket, when each step happened (host marks and GPU spans, ms from the send'
 On CUDA the same run measures the floors (one flat device copy; every tensor into
 buffers and back) and a plain event-chained pack/apply between the two processes with one
 line a bucket over a pipe (``probe``): what the design reaches without aiosync's host work.
+``--gap-ms`` idles that long before each version (outside the times), as a training step
+would: without it, each version starts as the engine finishes the last one's commit.
 The engine's model is checked against the trainer's at the end. Prints JSON last.
 """
 
@@ -211,6 +213,7 @@ async def _native(
     cuda = args.device.startswith("cuda")
     async with WeightSender(endpoint, device=args.device, config=config) as sender:
         for n in range(versions):
+            await anyio.sleep(args.gap_ms / 1000)  # a training step's time, not measured
             if cuda:
                 torch.cuda.synchronize()
             if before is not None and n == versions - args.traced:
@@ -365,6 +368,9 @@ def main() -> None:
     parser.add_argument("--traced", type=int, default=2)
     parser.add_argument("--probe", default="2x1024,2x2048", help="NxMB list, empty: none")
     parser.add_argument("--out", default="", help="a folder for the raw marks (JSON)")
+    parser.add_argument(
+        "--gap-ms", type=float, default=0.0, help="idle time before each version (a step)"
+    )
     args = parser.parse_args()
     engine(args) if args.role == "engine" else trainer(args)
 
