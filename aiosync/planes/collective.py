@@ -257,7 +257,7 @@ class CollectiveSenderPlane:
             side = self._stream
             side.wait_stream(caller)
             done = self._done.get(index)
-            if done is not None:  # the buffer's previous broadcast (queued: see above)
+            if done is not None:  # the buffer's previous broadcast, queued by queue()
                 side.wait_event(done)
             with torch.cuda.stream(side):
                 pack_bucket(self._buffers[index], plan)
