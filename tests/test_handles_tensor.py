@@ -17,12 +17,12 @@ import torch
 
 from aiosync import ModuleSink
 from aiosync.channels.inproc import inproc_pair
+from aiosync.core.colocated_parts import FORMAT, RankPart, encode_part
 from aiosync.core.layout import plan_buckets
 from aiosync.handles import ChannelHandle, EngineHandle, ObjectHandle
 from aiosync.handles.channel import serve_peer
 from aiosync.handles.engine import AiosyncEngine
 from aiosync.planes.shm import ShmSenderPlane
-from aiosync.topology.parts import FORMAT, RankPart, encode_part
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:

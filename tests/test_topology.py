@@ -17,6 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aiosync.core.colocated_parts import FORMAT, RankPart, check_parts, decode_part, encode_part
 from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
 from aiosync.core.layout import TensorSpec, plan_buckets
 from aiosync.core.wire import ShmHandle
@@ -24,7 +25,6 @@ from aiosync.engine.sinks import ModuleSink
 from aiosync.planes.shm import ShmSenderPlane
 from aiosync.topology import ColocatedReceiver, connect_topology, plan_layout
 from aiosync.topology.layout import derive_engine_gpu_offsets
-from aiosync.topology.parts import FORMAT, RankPart, check_parts, decode_part, encode_part
 
 # ----------------------------------------------------------------------------- layout
 

@@ -20,14 +20,7 @@ from types import TracebackType
 
 import msgspec
 
-
-class WeightSyncResult(msgspec.Struct, frozen=True):
-    """What an engine answered to one weight-update call: success and its own text."""
-
-    success: bool
-    """True when the engine applied the call."""
-    message: str = ""
-    """The engine's text: why it failed, or what it reported when it succeeded."""
+from aiosync.core.answers import WeightSyncResult as WeightSyncResult
 
 
 class HealthStatus(msgspec.Struct, frozen=True):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from aiosync.engine.colocated import ColocatedReceiver
 from aiosync.engine.sinks import WeightSink
 
 
@@ -51,8 +52,6 @@ class ColocatedUpdates:
     """
 
     def __init__(self, sinks: Sequence[WeightSink], name: str) -> None:
-        from aiosync.topology.engine import ColocatedReceiver  # the topology imports handles
-
         self._receiver = ColocatedReceiver(list(sinks), name=name)
 
     def update(

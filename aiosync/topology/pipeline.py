@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from aiosync.channels.base import Channel
+from aiosync.core.colocated_parts import MAX_ERROR_CHARS, MAX_PART_BYTES
 from aiosync.core.errors import AiosyncError, MismatchError, ProtocolError, RejectedError
 from aiosync.core.layout import BucketPlan, calculate_aligned_size
 from aiosync.core.trainer_session import LinkSession, Policy
@@ -60,7 +61,6 @@ from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.planes.gathered import GatheredSenderPlane
 from aiosync.runtime import unwrap_group
 from aiosync.topology.gather import agree_on_failures, broadcast_ints, gather_bytes
-from aiosync.topology.parts import MAX_ERROR_CHARS, MAX_PART_BYTES
 from aiosync.topology.plans import plan_rank, union_plans
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from aiosync.core.colocated_parts import MAX_ERROR_CHARS
 from aiosync.core.errors import AiosyncError, MismatchError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec, plan_buckets
 from aiosync.core.manifest import TensorMeta, build_manifest
 from aiosync.planes.gathered import part_name
-from aiosync.topology.parts import MAX_ERROR_CHARS
 
 
 class RankPlan(msgspec.Struct, frozen=True):

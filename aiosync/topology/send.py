@@ -2,7 +2,7 @@
 
 Per bucket, each rank packs its tensors (one flattened buffer, any mix of dtypes) into a
 plane of :mod:`aiosync.planes` (a sealed memfd on the CPU, a CUDA IPC buffer on a GPU),
-describes it as a :class:`~aiosync.topology.parts.RankPart` and gathers the encoded bytes to
+describes it as a :class:`~aiosync.core.colocated_parts.RankPart` and gathers the encoded bytes to
 its engine's source rank (:func:`~aiosync.topology.gather.gather_bytes`, no pickle). The
 source decodes them as hostile input and calls the engine's ``update_weights_from_tensor``
 through its :class:`~aiosync.handles.EngineHandle`; then every covered rank learns, in one
@@ -32,6 +32,14 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
+from aiosync.core.colocated_parts import (
+    FORMAT,
+    MAX_PART_BYTES,
+    RankPart,
+    check_parts,
+    decode_part,
+    encode_part,
+)
 from aiosync.core.errors import AiosyncError, ProtocolError, RejectedError, UsageError
 from aiosync.core.layout import (
     ALIGNMENT,
@@ -48,14 +56,6 @@ from aiosync.runtime import unwrap_group
 from aiosync.topology.connect import default_timeout
 from aiosync.topology.gather import agree_on_failures, gather_bytes
 from aiosync.topology.layout import LayoutError
-from aiosync.topology.parts import (
-    FORMAT,
-    MAX_PART_BYTES,
-    RankPart,
-    check_parts,
-    decode_part,
-    encode_part,
-)
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ An engine spanning ``n`` GPUs has one sink per GPU (its tensor-parallel ranks); 
 :class:`ColocatedReceiver` is called as SGLang's engines are
 (``update_weights_from_tensor(serialized_named_tensors, load_format, flush_cache,
 weight_version)``, through any :class:`~aiosync.handles.EngineHandle`), once per bucket with
-one encoded :class:`~aiosync.topology.parts.RankPart` per GPU, then twice with parts
+one encoded :class:`~aiosync.core.colocated_parts.RankPart` per GPU, then twice with parts
 marked ``last`` and no bytes: first to prepare (the version covered what every sink
 requires; nothing visible changes), then, once every engine of the fleet prepared, to
 commit (the prepared version becomes current). Every part is hostile input: decoded, its
@@ -21,14 +21,14 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
+from aiosync.core.answers import WeightSyncResult
+from aiosync.core.colocated_parts import FORMAT, RankPart, decode_part
 from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations
 from aiosync.core.wire import CudaIpcHandle, CudaIpcPlaneSpec, ShmHandle, ShmPlaneSpec
 from aiosync.engine.sinks import WeightSink
-from aiosync.handles.base import WeightSyncResult
 from aiosync.planes import ReceiverPlane, open_receiver_plane
-from aiosync.topology.parts import FORMAT, RankPart, decode_part
 
 log = logging.getLogger(__name__)
 
