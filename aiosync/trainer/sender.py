@@ -52,7 +52,6 @@ from aiosync.trainer.snapshot import snapshot_check
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 CLOSE_TIMEOUT = 1.0  # seconds a closing sender waits for each goodbye to be acknowledged
 
 Target = str | Channel
