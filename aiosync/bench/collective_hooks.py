@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiosync.bench import timeline_hooks, timeline_view
-from aiosync.bench.timeline_hooks import Mark, Recorder
+from aiosync.bench.timeline_hooks import Mark, Recorder, mark_phase
 
 COLUMNS = [
     ("T packcall0", "pack call"),
@@ -95,37 +95,6 @@ def _broadcasts(rec: Recorder) -> None:
     ops.queue_broadcasts = wrapped  # type: ignore[assignment]
 
 
-def _phase(rec: Recorder, owner: Any, name: str, kind: str) -> None:
-    orig = getattr(owner, name)
-
-    if _is_async(orig):
-
-        async def awaited(*args: Any, **kwargs: Any) -> Any:
-            rec.mark(kind + "0")
-            try:
-                return await orig(*args, **kwargs)
-            finally:
-                rec.mark(kind + "1")
-
-        setattr(owner, name, awaited)
-        return
-
-    def called(*args: Any, **kwargs: Any) -> Any:
-        rec.mark(kind + "0")
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            rec.mark(kind + "1")
-
-    setattr(owner, name, called)
-
-
-def _is_async(function: Any) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(function)
-
-
 def trainer_collective_hooks(rec: Recorder) -> None:
     """The trainer's marks (see the module's docstring); this process only."""
     from aiosync.planes import collective
@@ -140,7 +109,7 @@ def trainer_collective_hooks(rec: Recorder) -> None:
 
     setattr(collective, "pack_bucket", pack_bucket)  # noqa: B010
     _broadcasts(rec)
-    _phase(rec, collective.CollectiveSenderPlane, "drain", "drain")
+    mark_phase(rec, collective.CollectiveSenderPlane, "drain", "drain")
 
 
 def engine_collective_hooks(rec: Recorder, sink: Any) -> None:
@@ -157,7 +126,7 @@ def engine_collective_hooks(rec: Recorder, sink: Any) -> None:
 
     plane.view = marked_view  # type: ignore[method-assign]
     _broadcasts(rec)
-    _phase(rec, plane, "settle", "settle")
+    mark_phase(rec, plane, "settle", "settle")
 
 
 def collective_timeline(

@@ -13,6 +13,7 @@ per bucket and prints them. The switches that turn steps back or off their threa
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -101,6 +102,31 @@ def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     setattr(owner, name, make(getattr(owner, name)))
 
 
+def mark_phase(rec: Recorder, owner: Any, name: str, kind: str) -> None:
+    """Wrap ``owner.name`` (a function or a coroutine function) in marks ``kind0``/``kind1``."""
+    orig = getattr(owner, name)
+    if inspect.iscoroutinefunction(orig):
+
+        async def awaited(*args: Any, **kwargs: Any) -> Any:
+            rec.mark(kind + "0")
+            try:
+                return await orig(*args, **kwargs)
+            finally:
+                rec.mark(kind + "1")
+
+        setattr(owner, name, awaited)
+        return
+
+    def called(*args: Any, **kwargs: Any) -> Any:
+        rec.mark(kind + "0")
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            rec.mark(kind + "1")
+
+    setattr(owner, name, called)
+
+
 def trainer_hooks(rec: Recorder) -> None:
     """Mark the trainer's steps: send, read, begin, each bucket's pack/send/ack, commit."""
     from aiosync.pipeline import ahead, fanout, links, stream
@@ -181,19 +207,6 @@ def trainer_hooks(rec: Recorder) -> None:
 
         return wrapped
 
-    def phase(kind: str) -> Callable[[Any], Any]:
-        def make(orig: Any) -> Any:
-            async def wrapped(self: Any, *args: Any) -> Any:
-                rec.mark(kind + "0")
-                try:
-                    return await orig(self, *args)
-                finally:
-                    rec.mark(kind + "1")
-
-            return wrapped
-
-        return make
-
     _wrap(sender.WeightSender, "send", send)
     _wrap(sender, "read_source", read_source)
     _wrap(direct.DirectReader, "read", read_source)  # direct mode reads through this
@@ -204,13 +217,13 @@ def trainer_hooks(rec: Recorder) -> None:
     _wrap(fanout.BucketFanout, "_send_one", send_one)
     _wrap(links.EngineLink, "recv_ack", recv_ack)
     _wrap(stream.StreamRun, "__init__", stream_init)
-    _wrap(stream.StreamRun, "run", phase("stream"))
-    _wrap(fanout.BucketFanout, "run", phase("fanout"))
-    _wrap(links.EngineLink, "send", phase("linksend"))
-    _wrap(stream.StreamRun, "_complete", phase("complete"))
+    mark_phase(rec, stream.StreamRun, "run", "stream")
+    mark_phase(rec, fanout.BucketFanout, "run", "fanout")
+    mark_phase(rec, links.EngineLink, "send", "linksend")
+    mark_phase(rec, stream.StreamRun, "_complete", "complete")
     if hasattr(stream.StreamRun, "_complete_and_commit"):  # commit sent with the complete
-        _wrap(stream.StreamRun, "_complete_and_commit", phase("complete"))
-    _wrap(stream.StreamRun, "_commit", phase("commit"))
+        mark_phase(rec, stream.StreamRun, "_complete_and_commit", "complete")
+    mark_phase(rec, stream.StreamRun, "_commit", "commit")
 
 
 def engine_hooks(rec: Recorder, sink: Any) -> None:
