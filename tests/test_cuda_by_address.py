@@ -33,6 +33,7 @@ def sources() -> dict[str, torch.Tensor]:
 
 
 def test_pack_by_address_writes_what_pack_bucket_writes() -> None:
+    from aiosync.planes.cuda_copies import DeviceCopies
     from aiosync.planes.cuda_legacy import _pack
     from aiosync.planes.cuda_runtime import DeviceMemory
 
@@ -44,7 +45,7 @@ def test_pack_by_address_writes_what_pack_bucket_writes() -> None:
         plans = list(plan_buckets(tensors.items(), capacity))
         assert len(plans) > 2  # the oversized tensor went in chunks
         for plan in plans:
-            _pack(memory, plan, torch.cuda.current_stream())
+            _pack(memory, plan, torch.cuda.current_stream(), DeviceCopies(0))
             pack_bucket(reference, plan)
             torch.cuda.synchronize()
             for spec in plan.specs:

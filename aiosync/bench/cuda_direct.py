@@ -50,19 +50,19 @@ def _engine(size_mb: int) -> subprocess.Popen[str]:
 def _per_tensor_floor(model: dict[str, torch.Tensor]) -> float:
     """Seconds (median of 5) to copy every tensor into a same-sized tensor of its own.
 
-    Queued by address (one ``cudaMemcpyAsync`` a tensor, what an engine's copy program
-    queues): direct mode's GPU work in one process, with no host message at all.
+    Queued by address and spread over two streams, as an engine's copy programs queue
+    them (:class:`~aiosync.planes.cuda_copies.DeviceCopies`): direct mode's GPU work in one
+    process, with no host message at all.
     """
     from aiosync.bench.cuda_dropin import _timed
-    from aiosync.planes.cuda_runtime import memcpy_async
+    from aiosync.planes.cuda_copies import DeviceCopies
 
     pairs = [(torch.empty_like(t), t) for t in model.values()]
     jobs = [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in pairs]
-    stream = torch.cuda.current_stream().cuda_stream
+    copies = DeviceCopies(torch.cuda.current_device())
 
     def copy() -> None:
-        for dst, src, nbytes in jobs:
-            memcpy_async(dst, src, nbytes, stream)
+        copies.queue(jobs, torch.cuda.current_stream())
         torch.cuda.synchronize()
 
     out = statistics.median(_timed(copy, 5))

@@ -6,7 +6,8 @@ model to it with :class:`~aiosync.WeightSender` for each ``--variants`` entry (`
 N buffers of MB MiB), ``--repeats`` timed versions after a warm-up each, reporting the
 median and the trainer loop's longest stall; a variant ending in ``i`` packs and applies
 on the event loops, one ending in ``o`` copies one ``copy_`` a tensor as before the
-by-address copies (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
+by-address copies and one in ``s`` queues them on one stream, not two
+(:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
 (the engine copies out of this process's tensors, each its own region: an allocation on
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
 tensors as views of one allocation or segment). It then streams ``--traced`` more versions of
@@ -91,7 +92,7 @@ def engine(args: argparse.Namespace) -> None:
                 if words[0] == "start":
                     rec.start()
                     _say({"started": True})
-                elif words[0] == "mode":  # i: apply on the loop; o: the old copies
+                elif words[0] == "mode":  # i: apply on the loop; o, s: the old copies
                     mode.clear()
                     mode.update(words[1:])
                     inline.clear()
@@ -247,10 +248,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     """``NxMB`` and its flags.
 
     ``i`` packs and applies on the event loops (no thread hop); ``o`` copies as before
-    by-address queuing (one ``copy_`` a tensor on both sides); ``d`` / ``f``: direct mode,
-    one region a tensor / one region in all.
+    by-address queuing (one ``copy_`` a tensor on both sides); ``s`` queues those on one
+    stream; ``d`` / ``f``: direct mode, one region a tensor / one region in all.
     """
-    shape = variant.rstrip("iodf")
+    shape = variant.rstrip("iodfs")
     return shape, sorted(set(variant[len(shape) :]))
 
 

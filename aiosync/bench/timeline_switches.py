@@ -47,33 +47,41 @@ def inline_switch(module: Any) -> set[str]:
 
 
 def old_copies_switch() -> set[str]:
-    """Put back, while the returned set holds ``"o"``, the copies before by-address queuing.
+    """Put back, while the returned set holds a flag, the copies of before.
 
-    The trainer's pack of a CUDA plane goes through ``pack_bucket`` (one ``copy_`` a tensor)
-    and an engine's CUDA buckets skip the copy programs: the same run then measures both.
-    Call before :func:`trainer_hooks` (which wraps what this installs).
+    ``"o"``: as before by-address queuing, the trainer's pack of a CUDA plane goes through
+    ``pack_bucket`` (one ``copy_`` a tensor) and an engine's CUDA buckets skip the copy
+    programs. ``"s"``: the by-address copies all go on the caller's stream, as before they
+    were spread over two (:mod:`aiosync.planes.cuda_copies`). The same run then measures
+    both. Call before :func:`trainer_hooks` (which wraps what this installs).
     """
     from aiosync.core.layout import pack_bucket
     from aiosync.engine import bulk_apply
-    from aiosync.planes import cuda_legacy
+    from aiosync.planes import cuda_copies, cuda_legacy
 
     mode: set[str] = set()
     new_pack = cuda_legacy._pack
     new_apply = bulk_apply.CopyPrograms.apply_parts
+    new_queue = cuda_copies.DeviceCopies.queue
 
-    def pack(buffer: Any, plan: Any, stream: Any) -> None:
+    def pack(buffer: Any, plan: Any, stream: Any, copies: Any) -> None:
         if "o" in mode:
             pack_bucket(buffer.tensor, plan)
         else:
-            new_pack(buffer, plan, stream)
+            new_pack(buffer, plan, stream, copies)
 
     def apply(self: Any, parts: list[Any], target: Any) -> Any:
         if "o" in mode and parts and parts[0][0].is_cuda:
             return parts
         return new_apply(self, parts, target)
 
+    def queue(self: Any, jobs: Any, stream: Any) -> None:
+        self.width = 1 if "s" in mode else cuda_copies.WIDTH
+        new_queue(self, jobs, stream)
+
     cuda_legacy._pack = pack  # type: ignore[assignment]
     bulk_apply.CopyPrograms.apply_parts = apply  # type: ignore[method-assign]
+    cuda_copies.DeviceCopies.queue = queue  # type: ignore[method-assign]
     return mode
 
 

@@ -11,9 +11,10 @@ target that is not plain) is left to the sink, spec by spec. Programs hold no te
 and no bucket memory; those a version did not use are dropped when the next one commits.
 
 A bucket on a CUDA device is copied the same way, every plain target on that device
-whatever its size, each copy queued by address on the current stream
-(:func:`~aiosync.planes.cuda_runtime.memcpy_async`): a few µs of host time a tensor instead
-of the tens that ``copy_`` and its views take, so the engine acks sooner.
+whatever its size, each copy queued by address and the copies spread over the current
+stream and a side stream joined back into it (:mod:`aiosync.planes.cuda_copies`): a few µs
+of host time a tensor instead of the tens that ``copy_`` and its views take, so the engine
+acks sooner, and the GPU idles less between copies.
 
 A bucket may come in several parts (a direct bucket: one flat view per trainer region,
 :mod:`aiosync.planes.direct`): :meth:`CopyPrograms.apply_parts` keeps one program a part
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aiosync.core.layout import SMALL_COPY, TensorSpec, address_copy, is_plain
+from aiosync.planes.cuda_copies import CopyJob, DeviceCopies
 
 MIN_SPECS = 16
 """Buckets of fewer tensors are copied one by one: a program saves nothing there."""
@@ -93,6 +95,7 @@ class CopyPrograms:
     def __init__(self) -> None:
         self._programs: dict[int, _Parts] = {}
         self._used: set[int] = set()
+        self._copies: dict[int, DeviceCopies] = {}  # by device index
 
     def apply(
         self,
@@ -134,11 +137,13 @@ class CopyPrograms:
         if bases != kept.bases:
             kept.merge(bases)
         merged = kept.merged
+        jobs = _jobs(merged)
         if cuda:
-            with torch.cuda.device(first.device):
-                done = _run(merged, 0, _device_copy(first.device))
+            self._device_copies(first.device).queue(jobs, torch.cuda.current_stream(first.device))
         else:
-            done = _run(merged, 0, address_copy)
+            for job in jobs:
+                address_copy(*job)
+        done = len(jobs)
         left: list[list[TensorSpec]] = [[] for _ in parts]
         if done < len(merged.tensors):  # a destination moved: the program is made again
             del self._programs[key]
@@ -149,6 +154,13 @@ class CopyPrograms:
             for (bucket, _), program, rest in zip(parts, kept.programs, left, strict=True)
         ]
 
+    def _device_copies(self, device: torch.device) -> DeviceCopies:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        copies = self._copies.get(index)
+        if copies is None:
+            copies = self._copies[index] = DeviceCopies(index)
+        return copies
+
     def version_done(self) -> None:
         """A version committed: drop programs it did not use."""
         for key in [key for key in self._programs if key not in self._used]:
@@ -156,21 +168,13 @@ class CopyPrograms:
         self._used.clear()
 
 
-def _device_copy(device: torch.device) -> Callable[[int, int, int], object]:
-    """Queue copies by address on ``device``'s current stream."""
-    from aiosync.planes.cuda_runtime import memcpy_async
+def _jobs(program: CopyProgram) -> list[CopyJob]:
+    """The copies of ``program``'s tensors, up to the first whose destination moved.
 
-    stream = torch.cuda.current_stream(device).cuda_stream
-    return lambda dst, src, nbytes: memcpy_async(dst, src, nbytes, stream)
-
-
-def _run(program: CopyProgram, base: int, copy: Callable[[int, int, int], object]) -> int:
-    """Copy ``program``'s tensors from the bucket at ``base``; how many were copied.
-
-    Stops at the first destination whose storage moved, or that became a strided view
+    A destination moved if its storage's address changed, or it became a strided view
     (``p.data = p.data.t()`` keeps the address), since the program was made.
     """
-    done = 0
+    jobs: list[CopyJob] = []
     for tensor, pointer, target, offset, size in zip(
         program.tensors,
         program.pointers,
@@ -180,10 +184,9 @@ def _run(program: CopyProgram, base: int, copy: Callable[[int, int, int], object
         strict=True,
     ):
         if tensor.data_ptr() != pointer or not tensor.is_contiguous():
-            return done
-        copy(target, base + offset, size)
-        done += 1
-    return done
+            break
+        jobs.append((target, offset, size))
+    return jobs
 
 
 def _make(

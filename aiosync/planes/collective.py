@@ -68,6 +68,7 @@ from aiosync.planes.collective_receiver import (
     check_spec,
     joined_group,
 )
+from aiosync.planes.cuda_copies import DeviceCopies, plain_jobs
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +144,12 @@ class CollectiveSenderPlane:
         self._executor.start()
         self._ordered: OrderedBroadcasts | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._copies: DeviceCopies | None = None
         if self.backend == "nccl":
             self._ordered = OrderedBroadcasts(self._executor, self.device)
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            index = self.device.index
+            self._copies = DeviceCopies(torch.cuda.current_device() if index is None else index)
         self._buffers: list[torch.Tensor] = []
         if not options.per_tensor:
             self._buffers = [
@@ -241,7 +245,7 @@ class CollectiveSenderPlane:
             self._executor.result(
                 previous, deadline=Deadline.after(self.options.timeout), what="broadcast"
             )
-        if self._ordered is None or self._stream is None:
+        if self._ordered is None or self._stream is None or self._copies is None:
             if self.options.per_tensor:
                 self._segments[index] = _segments(plan, self.device)
             else:
@@ -259,8 +263,12 @@ class CollectiveSenderPlane:
             done = self._done.get(index)
             if done is not None:  # the buffer's previous broadcast, queued by queue()
                 side.wait_event(done)
-            with torch.cuda.stream(side):
-                pack_bucket(self._buffers[index], plan)
+            buffer = self._buffers[index]
+            jobs, rest = plain_jobs(buffer.data_ptr(), self._copies.device, plan)
+            self._copies.queue(jobs, side)
+            if rest.specs:
+                with torch.cuda.stream(side):
+                    pack_bucket(buffer, rest)
             packed.record(side)
             caller.wait_event(packed)
             parts = [self._buffers[index][: plan.used]]

@@ -20,9 +20,9 @@ message that leads to the wait is sent, so the order holds across the two proces
 
 Host time per bucket is kept short, since with two buffers the next pack can be queued
 only after an engine's ack: plain tensors on the buffer's device are queued by address
-(``cudaMemcpyAsync``), as are the engine's copies out of the buffer
-(:mod:`aiosync.engine.bulk_apply`). ``python -m aiosync.bench.cuda_timeline`` shows where a
-version's time goes, per bucket, on both sides.
+(``cudaMemcpyAsync``, spread over two streams: :mod:`aiosync.planes.cuda_copies`), as are
+the engine's copies out of the buffer (:mod:`aiosync.engine.bulk_apply`). ``python -m
+aiosync.bench.cuda_timeline`` shows where a version's time goes, per bucket, on both sides.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import logging
 import torch
 
 from aiosync.core.errors import AiosyncError
-from aiosync.core.layout import BucketPlan, is_plain, pack_bucket
+from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import CudaLegacyPlaneSpec
-from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory, memcpy_async
+from aiosync.planes.cuda_copies import DeviceCopies, plain_jobs
+from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
 log = logging.getLogger(__name__)
 
@@ -53,33 +54,21 @@ def _open_event(device: int, handle: bytes) -> torch.cuda.Event:
     return event
 
 
-def _pack(buffer: DeviceMemory, plan: BucketPlan, stream: torch.cuda.Stream) -> None:
+def _pack(
+    buffer: DeviceMemory, plan: BucketPlan, stream: torch.cuda.Stream, copies: DeviceCopies
+) -> None:
     """Queue the bucket's copies into ``buffer`` on ``stream`` (the current one).
 
-    Plain tensors on the buffer's device are queued by address (``cudaMemcpyAsync``, a few
-    µs of host time each, where ``copy_`` and its views take tens): the host queues a
-    bucket well before the device is done with the last. Any other tensor (another device,
-    the CPU, not contiguous) goes through :func:`pack_bucket`.
+    Plain tensors on the buffer's device are queued by address, spread over two streams
+    (:mod:`aiosync.planes.cuda_copies`): a few µs of host time each, where ``copy_`` and
+    its views take tens, so the host queues a bucket well before the device is done with
+    the last. Any other tensor (another device, the CPU, not contiguous) goes through
+    :func:`pack_bucket`.
     """
     if plan.used > buffer.size:
         raise ValueError(f"bucket needs {plan.used} bytes but the buffer holds {buffer.size}")
-    base, handle, device = buffer.tensor.data_ptr(), stream.cuda_stream, buffer.device
-    rest = BucketPlan(used=plan.used)
-    for source, spec in zip(plan.tensors, plan.specs, strict=True):
-        if (
-            source.is_cuda
-            and source.device.index == device
-            and is_plain(source)
-            and spec.start + spec.nbytes <= source.nbytes
-            and spec.offset + spec.nbytes <= plan.used
-        ):
-            if spec.nbytes:
-                memcpy_async(
-                    base + spec.offset, source.data_ptr() + spec.start, spec.nbytes, handle
-                )
-        else:
-            rest.tensors.append(source)
-            rest.specs.append(spec)
+    jobs, rest = plain_jobs(buffer.tensor.data_ptr(), buffer.device, plan)
+    copies.queue(jobs, stream)
     if rest.specs:
         pack_bucket(buffer.tensor, rest)
 
@@ -114,6 +103,7 @@ class CudaLegacySenderPlane:
         self._stream: torch.cuda.Stream | None = None
         self._waits: list[list[bytes]] = [[] for _ in range(count)]
         self._peer_events: dict[bytes, torch.cuda.Event] = {}
+        self._copies = DeviceCopies(index)
 
     @property
     def spec(self) -> CudaLegacyPlaneSpec:
@@ -152,7 +142,7 @@ class CudaLegacySenderPlane:
                 if event is None:
                     event = self._peer_events[handle] = _open_event(self._device, handle)
                 stream.wait_event(event)
-            _pack(self._buffers[index], plan, stream)
+            _pack(self._buffers[index], plan, stream, self._copies)
             self._packed[index].record(stream)
 
     async def publish(self, index: int, used: int) -> None:

@@ -1,0 +1,100 @@
+"""A bucket's device copies spread over two streams (issue 10, performance).
+
+The dealing and the split into copies by address are pure and run everywhere; the GPU
+tests (marked, skipped without CUDA) check that spread copies are bit-exact and that, to
+work queued later on the caller's stream, they ran on that stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiosync.core.layout import plan_buckets
+from aiosync.planes.cuda_copies import SPREAD_MIN_BYTES, DeviceCopies, deal, plain_jobs
+from tests.conftest import requires_cuda
+
+MiB = 1 << 20
+
+
+def test_deal_gives_each_copy_to_the_least_loaded_stream_in_order() -> None:
+    assert deal([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+    assert deal([100, 1, 1, 1, 50], 2) == [0, 1, 1, 1, 1]
+    assert deal([5, 5, 5], 1) == [0, 0, 0]
+    lanes = deal([7, 3, 9, 1, 4, 4, 8], 3)
+    loads = [
+        sum(s for s, k in zip([7, 3, 9, 1, 4, 4, 8], lanes, strict=True) if k == w)
+        for w in range(3)
+    ]
+    assert max(loads) - min(loads) <= 9  # never worse than the largest copy
+    assert deal([], 2) == []
+
+
+def test_plain_jobs_leaves_cpu_tensors_to_torch() -> None:
+    tensors = {"a": torch.ones(10), "b": torch.arange(6).view(2, 3).t()}
+    (plan,) = plan_buckets(tensors.items(), 1024)
+    jobs, rest = plain_jobs(4096, 0, plan)
+    assert jobs == []
+    assert [spec.name for spec in rest.specs] == ["a", "b"]
+    assert rest.used == plan.used
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_plain_jobs_are_the_plain_tensors_on_the_device_at_their_offsets() -> None:
+    tensors = {
+        "plain": torch.ones(100, device="cuda:0"),
+        "strided": torch.ones(8, 4, device="cuda:0").t(),
+        "cpu": torch.ones(5),
+        "empty": torch.empty(0, device="cuda:0"),
+    }
+    (plan,) = plan_buckets(tensors.items(), 4096)
+    jobs, rest = plain_jobs(1 << 40, 0, plan)
+    spec = plan.specs[0]
+    assert jobs == [((1 << 40) + spec.offset, tensors["plain"].data_ptr(), 400)]
+    assert sorted(s.name for s in rest.specs) == ["cpu", "strided"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_spread_copies_are_bit_exact_and_ordered_on_the_callers_stream(width: int) -> None:
+    gen = torch.Generator(device="cuda:0").manual_seed(7)
+    sizes = [3 * MiB + 5, 17, 6 * MiB, 1, 2 * MiB + 1, 4096, 5 * MiB]
+    assert sum(sizes) >= SPREAD_MIN_BYTES  # the spread path, not the one-stream one
+    sources = [
+        torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0", generator=gen)
+        for n in sizes
+    ]
+    targets = [torch.zeros(n, dtype=torch.uint8, device="cuda:0") for n in sizes]
+    copies = DeviceCopies(0, width)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for round_ in range(3):
+            torch.cuda._sleep(2_000_000)  # the copies must wait for this, on every stream
+            for src in sources:
+                src.add_(1)  # queued on the caller's stream before the copies
+            jobs = [
+                (d.data_ptr(), s.data_ptr(), s.nbytes)
+                for d, s in zip(targets, sources, strict=True)
+            ]
+            copies.queue(jobs, stream)
+            sums = torch.stack([t.sum(dtype=torch.int64) for t in targets])  # after them
+            expected = torch.stack([s.sum(dtype=torch.int64) for s in sources])
+            assert torch.equal(sums.cpu(), expected.cpu()), round_
+    stream.synchronize()
+    for src, dst in zip(sources, targets, strict=True):
+        assert torch.equal(src, dst)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_small_batches_stay_on_the_callers_stream() -> None:
+    src = torch.arange(1000, dtype=torch.int32, device="cuda:0")
+    dst = torch.zeros_like(src)
+    copies = DeviceCopies(0)
+    copies.queue([(dst.data_ptr(), src.data_ptr(), 2000)], torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:500], src[:500])
+    assert not dst[500:].any()
+    assert copies._fork is None  # no side stream was made
