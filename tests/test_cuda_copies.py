@@ -98,3 +98,26 @@ def test_small_batches_stay_on_the_callers_stream() -> None:
     assert torch.equal(dst[:500], src[:500])
     assert not dst[500:].any()
     assert copies._fork is None  # no side stream was made
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_gate_is_waited_on_by_the_next_batch_on_this_thread_only_once() -> None:
+    from aiosync.planes import cuda_copies
+
+    stream = torch.cuda.current_stream()
+    gate = torch.cuda.Event()
+    gate.record(stream)
+    cuda_copies.wait_gate(stream, gate)
+    assert cuda_copies._gates.events == [gate]
+    src = torch.ones(SPREAD_MIN_BYTES, dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src)
+    half = SPREAD_MIN_BYTES // 2
+    jobs = [
+        (dst.data_ptr(), src.data_ptr(), half),
+        (dst.data_ptr() + half, src.data_ptr() + half, half),
+    ]
+    DeviceCopies(0).queue(jobs, stream)
+    assert cuda_copies._gates.events == []  # taken by that batch
+    torch.cuda.synchronize()
+    assert bool(dst.all())

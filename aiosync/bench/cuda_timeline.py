@@ -6,8 +6,8 @@ model to it with :class:`~aiosync.WeightSender` for each ``--variants`` entry (`
 N buffers of MB MiB), ``--repeats`` timed versions after a warm-up each, reporting the
 median and the trainer loop's longest stall; a variant ending in ``i`` packs and applies
 on the event loops, one ending in ``o`` copies one ``copy_`` a tensor as before the
-by-address copies and one in ``s`` queues them on one stream, not two
-(:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
+by-address copies, one in ``s`` queues them on one stream, not two, and one in ``g`` spreads
+them without gates (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
 (the engine copies out of this process's tensors, each its own region: an allocation on
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
 tensors as views of one allocation or segment). It then streams ``--traced`` more versions of
@@ -92,7 +92,7 @@ def engine(args: argparse.Namespace) -> None:
                 if words[0] == "start":
                     rec.start()
                     _say({"started": True})
-                elif words[0] == "mode":  # i: apply on the loop; o, s: the old copies
+                elif words[0] == "mode":  # i: apply on the loop; o, s, g: the old copies
                     mode.clear()
                     mode.update(words[1:])
                     inline.clear()
@@ -249,9 +249,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
 
     ``i`` packs and applies on the event loops (no thread hop); ``o`` copies as before
     by-address queuing (one ``copy_`` a tensor on both sides); ``s`` queues those on one
-    stream; ``d`` / ``f``: direct mode, one region a tensor / one region in all.
+    stream, ``g`` spreads them without gates; ``d`` / ``f``: direct mode, one region a
+    tensor / one region in all.
     """
-    shape = variant.rstrip("iodfs")
+    shape = variant.rstrip("iodfsg")
     return shape, sorted(set(variant[len(shape) :]))
 
 

@@ -52,8 +52,9 @@ def old_copies_switch() -> set[str]:
     ``"o"``: as before by-address queuing, the trainer's pack of a CUDA plane goes through
     ``pack_bucket`` (one ``copy_`` a tensor) and an engine's CUDA buckets skip the copy
     programs. ``"s"``: the by-address copies all go on the caller's stream, as before they
-    were spread over two (:mod:`aiosync.planes.cuda_copies`). The same run then measures
-    both. Call before :func:`trainer_hooks` (which wraps what this installs).
+    were spread over two (:mod:`aiosync.planes.cuda_copies`); ``"g"``: spread, but the side
+    stream waits on its fork only, not first on the other process's events. The same run
+    then measures each. Call before :func:`trainer_hooks` (which wraps what this installs).
     """
     from aiosync.core.layout import pack_bucket
     from aiosync.engine import bulk_apply
@@ -79,6 +80,13 @@ def old_copies_switch() -> set[str]:
         self.width = 1 if "s" in mode else cuda_copies.WIDTH
         new_queue(self, jobs, stream)
 
+    take_gates = cuda_copies._take_gates
+
+    def gates() -> Any:
+        taken = take_gates()
+        return [] if "g" in mode else taken
+
+    cuda_copies._take_gates = gates
     cuda_legacy._pack = pack  # type: ignore[assignment]
     bulk_apply.CopyPrograms.apply_parts = apply  # type: ignore[method-assign]
     cuda_copies.DeviceCopies.queue = queue  # type: ignore[method-assign]

@@ -34,7 +34,7 @@ import torch
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import CudaLegacyPlaneSpec
-from aiosync.planes.cuda_copies import DeviceCopies, plain_jobs
+from aiosync.planes.cuda_copies import DeviceCopies, plain_jobs, wait_gate
 from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class CudaLegacySenderPlane:
                 event = self._peer_events.get(handle)
                 if event is None:
                     event = self._peer_events[handle] = _open_event(self._device, handle)
-                stream.wait_event(event)
+                wait_gate(stream, event)
             _pack(self._buffers[index], plan, stream, self._copies)
             self._packed[index].record(stream)
 
@@ -182,7 +182,7 @@ class CudaLegacyReceiverPlane:
         This thread's stream is made to wait on the trainer's event (queued, no host wait).
         """
         if self._packed:
-            torch.cuda.current_stream(self._device).wait_event(self._packed[index])
+            wait_gate(torch.cuda.current_stream(self._device), self._packed[index])
         return self._buffers[index].tensor[:used]
 
     def applied(self, index: int) -> None:

@@ -45,6 +45,7 @@ from aiosync.core.wire import (
     ShmPlaneSpec,
 )
 from aiosync.planes.base import SenderPlane
+from aiosync.planes.cuda_copies import wait_gate
 from aiosync.planes.direct_regions import RegionFinder, address_range
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ class DirectReceiverPlane:
         if kept is None:
             kept = self._checked(used, specs, regions, version)
         if self._start is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._start)
+            wait_gate(torch.cuda.current_stream(self._device), self._start)
         return kept.parts
 
     def _kept(self, specs: list[TensorSpec], regions: list[Region], version: int) -> _Split | None:
