@@ -121,3 +121,37 @@ def test_a_gate_is_waited_on_by_the_next_batch_on_this_thread_only_once() -> Non
     assert cuda_copies._gates.events == []  # taken by that batch
     torch.cuda.synchronize()
     assert bool(dst.all())
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_one_stream_next_keeps_only_the_next_batch_on_the_callers_stream() -> None:
+    from aiosync.planes.cuda_copies import one_stream_next
+
+    src = torch.ones(SPREAD_MIN_BYTES, dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src)
+    half = SPREAD_MIN_BYTES // 2
+    jobs = [
+        (dst.data_ptr(), src.data_ptr(), half),
+        (dst.data_ptr() + half, src.data_ptr() + half, half),
+    ]
+    copies = DeviceCopies(0)
+    one_stream_next()
+    copies.queue(jobs, torch.cuda.current_stream())
+    assert copies._fork is None  # one stream
+    copies.queue(jobs, torch.cuda.current_stream())
+    assert copies._fork is not None  # the batch after is spread again
+    torch.cuda.synchronize()
+    assert bool(dst.all())
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_resident_device_of_own_memory_is_its_device() -> None:
+    from aiosync.planes.cuda_runtime import DeviceMemory, resident_device
+
+    memory = DeviceMemory.allocate(1 << 20, 0)
+    try:
+        assert resident_device(memory.tensor.data_ptr()) == 0
+    finally:
+        memory.close()

@@ -149,7 +149,8 @@ class CollectiveSenderPlane:
             self._ordered = OrderedBroadcasts(self._executor, self.device)
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             index = self.device.index
-            self._copies = DeviceCopies(torch.cuda.current_device() if index is None else index)
+            here = torch.cuda.current_device() if index is None else index
+            self._copies = DeviceCopies(here, width=1)  # beside broadcasts: one stream
         self._buffers: list[torch.Tensor] = []
         if not options.per_tensor:
             self._buffers = [

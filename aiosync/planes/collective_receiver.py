@@ -27,6 +27,7 @@ from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, U
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import CollectivePlaneSpec
+from aiosync.planes.cuda_copies import one_stream_next
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class CollectiveReceiverPlane:
         )
         received = self._executor.call_here(step, deadline=deadline, what=what)
         torch.cuda.current_stream(self._device).wait_event(received)
+        one_stream_next()  # the copies out run beside the next receive
         return data
 
     def skip(self, index: int, used: int, slots: list[tuple[int, int]]) -> None:

@@ -18,6 +18,12 @@ event of its own process keeps that process's turn, so the GPU idles until the t
 (1.1-1.3 ms gaps on an H200, measured), whereas a wait on the other process's event lets
 the GPU switch at once. With the gates, the side stream's own wait is only ever on work
 that can already run.
+
+Spreading helps where copies are bound by the GPU's own memory and nothing else runs
+beside them. Where a collective runs on the same GPU meanwhile, or the copy reads another
+GPU's memory across NVLink, the second stream only takes bandwidth from the rest: there
+the plane asks for the next batch on one stream (:func:`one_stream_next`). Measured on two
+H200s: spreading made a flattened NCCL broadcast 1.21x the raw one instead of 1.16x.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ SPREAD_MIN_BYTES = 8 << 20
 tails they would hide."""
 
 
-_gates = threading.local()
+_next = threading.local()  # what the next batch on this thread is to do: gates, one stream
 
 
 def wait_gate(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
@@ -51,16 +57,27 @@ def wait_gate(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
     event so noted since the last one, before its fork (see the module's docstring).
     """
     stream.wait_event(event)
-    noted: list[torch.cuda.Event] | None = getattr(_gates, "events", None)
+    noted: list[torch.cuda.Event] | None = getattr(_next, "gates", None)
     if noted is None:
-        noted = _gates.events = []
+        noted = _next.gates = []
     noted.append(event)
 
 
+def one_stream_next() -> None:
+    """Queue the next batch on this thread on the caller's stream alone (not spread)."""
+    _next.one_stream = True
+
+
 def _take_gates() -> list[torch.cuda.Event]:
-    noted: list[torch.cuda.Event] = getattr(_gates, "events", None) or []
-    _gates.events = []
+    noted: list[torch.cuda.Event] = getattr(_next, "gates", None) or []
+    _next.gates = []
     return noted
+
+
+def _take_one_stream() -> bool:
+    one: bool = getattr(_next, "one_stream", False)
+    _next.one_stream = False
+    return one
 
 
 def deal(sizes: Sequence[int], width: int) -> list[int]:
@@ -97,12 +114,12 @@ class DeviceCopies:
 
         ``stream`` is on this object's device, as is every address (or mapped into it).
         """
-        gates = _take_gates()
+        gates, one_stream = _take_gates(), _take_one_stream()
         if not jobs:
             return
         sizes = [nbytes for _, _, nbytes in jobs]
         with self._lock, torch.cuda.device(self.device):
-            if self.width < 2 or len(jobs) < 2 or sum(sizes) < SPREAD_MIN_BYTES:
+            if one_stream or self.width < 2 or len(jobs) < 2 or sum(sizes) < SPREAD_MIN_BYTES:
                 handle = stream.cuda_stream
                 for dst, src, nbytes in jobs:
                     memcpy_async(dst, src, nbytes, handle)

@@ -102,6 +102,23 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
         _check(code, "cudaMemcpyAsync")
 
 
+class _PointerAttributes(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+    ]
+
+
+def resident_device(pointer: int) -> int:
+    """The device whose memory ``pointer`` lies in (a peer's mapping: the peer's device)."""
+    attributes = _PointerAttributes()
+    code = runtime().cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(pointer))
+    _check(code, "cudaPointerGetAttributes")
+    return int(attributes.device)
+
+
 def _use_device(index: int) -> None:
     _check(runtime().cudaSetDevice(ctypes.c_int(index)), f"cudaSetDevice({index})")
 
