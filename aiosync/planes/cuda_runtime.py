@@ -102,21 +102,14 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
         _check(code, "cudaMemcpyAsync")
 
 
-class _PointerAttributes(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("device", ctypes.c_int),
-        ("devicePointer", ctypes.c_void_p),
-        ("hostPointer", ctypes.c_void_p),
-    ]
-
-
 def resident_device(pointer: int) -> int:
     """The device whose memory ``pointer`` lies in (a peer's mapping: the peer's device)."""
-    attributes = _PointerAttributes()
-    code = runtime().cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(pointer))
+    # cudaPointerAttributes starts with two ints (memory type, device); later CUDA releases
+    # may add fields at its end, so the library is given more room than it can write.
+    attributes = (ctypes.c_int * 64)()
+    code = runtime().cudaPointerGetAttributes(attributes, ctypes.c_void_p(pointer))
     _check(code, "cudaPointerGetAttributes")
-    return int(attributes.device)
+    return int(attributes[1])
 
 
 def _use_device(index: int) -> None:
