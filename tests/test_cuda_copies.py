@@ -109,7 +109,7 @@ def test_a_gate_is_waited_on_by_the_next_batch_on_this_thread_only_once() -> Non
     gate = torch.cuda.Event()
     gate.record(stream)
     cuda_copies.wait_gate(stream, gate)
-    assert cuda_copies._gates.events == [gate]
+    assert cuda_copies._next.gates == [gate]
     src = torch.ones(SPREAD_MIN_BYTES, dtype=torch.uint8, device="cuda:0")
     dst = torch.zeros_like(src)
     half = SPREAD_MIN_BYTES // 2
@@ -118,7 +118,7 @@ def test_a_gate_is_waited_on_by_the_next_batch_on_this_thread_only_once() -> Non
         (dst.data_ptr() + half, src.data_ptr() + half, half),
     ]
     DeviceCopies(0).queue(jobs, stream)
-    assert cuda_copies._gates.events == []  # taken by that batch
+    assert cuda_copies._next.gates == []  # taken by that batch
     torch.cuda.synchronize()
     assert bool(dst.all())
 
