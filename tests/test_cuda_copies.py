@@ -2,20 +2,17 @@
 
 The dealing and the split into copies by address are pure and run everywhere; the GPU
 tests (marked, skipped without CUDA) check that spread copies are bit-exact and that, to
-work queued later on the caller's stream, they ran on that stream; the two-GPU one that an
-engine reading a trainer's buffer on another GPU copies on one stream.
+work queued later on the caller's stream, they ran on that stream.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 import torch
 
 from aiosync.core.layout import plan_buckets
 from aiosync.planes.cuda_copies import SPREAD_MIN_BYTES, DeviceCopies, deal, plain_jobs
-from tests.conftest import requires_cuda, requires_two_gpus
+from tests.conftest import requires_cuda
 
 MiB = 1 << 20
 
@@ -146,57 +143,3 @@ def test_one_stream_next_keeps_only_the_next_batch_on_the_callers_stream() -> No
     assert copies._fork is not None  # the batch after is spread again
     torch.cuda.synchronize()
     assert bool(dst.all())
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_resident_device_of_own_memory_is_its_device() -> None:
-    from aiosync.planes.cuda_runtime import DeviceMemory, resident_device
-
-    memory = DeviceMemory.allocate(1 << 20, 0)
-    try:
-        assert resident_device(memory.tensor.data_ptr()) == 0
-    finally:
-        memory.close()
-
-
-def _remote_seen(
-    device: int, spec_fields: tuple[int, int, list[bytes], list[bytes]], out: Any
-) -> None:
-    """A child process: open the parent's buffers on ``device``; is the plane's copy remote?"""
-    from aiosync.core.wire import CudaLegacyPlaneSpec
-    from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
-
-    torch.cuda.set_device(device)
-    owner, size, handles, events = spec_fields
-    spec = CudaLegacyPlaneSpec(device=owner, size=size, handles=handles, events=events)
-    plane = CudaLegacyReceiverPlane(spec, torch.device("cuda", device))
-    try:
-        out.put(plane._remote)
-    finally:
-        plane.close()
-
-
-@pytest.mark.multigpu
-@requires_two_gpus
-def test_an_engine_on_another_gpu_copies_on_one_stream() -> None:
-    import multiprocessing
-
-    from aiosync.planes.cuda_legacy import CudaLegacySenderPlane
-
-    plane = CudaLegacySenderPlane(torch.device("cuda:0"), 2, 1 << 20)
-    spec = plane.spec
-    fields = (spec.device, spec.size, list(spec.handles), list(spec.events))
-    context = multiprocessing.get_context("spawn")
-    try:
-        seen = {}
-        for device in (0, 1):
-            out = context.Queue()
-            child = context.Process(target=_remote_seen, args=(device, fields, out))
-            child.start()
-            seen[device] = out.get(timeout=120)
-            child.join(timeout=60)
-            assert child.exitcode == 0
-        assert seen == {0: False, 1: True}
-    finally:
-        plane.close()

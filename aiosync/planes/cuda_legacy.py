@@ -34,8 +34,8 @@ import torch
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import CudaLegacyPlaneSpec
-from aiosync.planes.cuda_copies import DeviceCopies, one_stream_next, plain_jobs, wait_gate
-from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory, resident_device
+from aiosync.planes.cuda_copies import DeviceCopies, plain_jobs, wait_gate
+from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,6 @@ class CudaLegacyReceiverPlane:
             for handle in spec.handles:
                 self._buffers.append(DeviceMemory.open(handle, spec.size, self._device))
             self._packed = [_open_event(self._device, handle) for handle in spec.events]
-            first = self._buffers[0].tensor.data_ptr() if self._buffers else None
-            self._remote = first is not None and resident_device(first) != self._device
         except BaseException:
             self.close()
             raise
@@ -185,8 +183,6 @@ class CudaLegacyReceiverPlane:
         """
         if self._packed:
             wait_gate(torch.cuda.current_stream(self._device), self._packed[index])
-        if self._remote:  # copies across NVLink: a second stream only contends
-            one_stream_next()
         return self._buffers[index].tensor[:used]
 
     def applied(self, index: int) -> None:

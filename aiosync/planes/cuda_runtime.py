@@ -102,16 +102,6 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
         _check(code, "cudaMemcpyAsync")
 
 
-def resident_device(pointer: int) -> int:
-    """The device whose memory ``pointer`` lies in (a peer's mapping: the peer's device)."""
-    # cudaPointerAttributes starts with two ints (memory type, device); later CUDA releases
-    # may add fields at its end, so the library is given more room than it can write.
-    attributes = (ctypes.c_int * 64)()
-    code = runtime().cudaPointerGetAttributes(attributes, ctypes.c_void_p(pointer))
-    _check(code, "cudaPointerGetAttributes")
-    return int(attributes[1])
-
-
 def _use_device(index: int) -> None:
     _check(runtime().cudaSetDevice(ctypes.c_int(index)), f"cudaSetDevice({index})")
 
