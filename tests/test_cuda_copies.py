@@ -102,12 +102,14 @@ def test_small_batches_stay_on_the_callers_stream() -> None:
 
 @pytest.mark.gpu
 @requires_cuda
-def test_a_gate_is_waited_on_by_the_next_batch_on_this_thread_only_once() -> None:
+def test_a_gate_is_noted_and_taken_by_the_next_batch_on_this_thread() -> None:
+    """Bookkeeping only: gates change when the side stream may start, never what it copies."""
     from aiosync.planes import cuda_copies
 
     stream = torch.cuda.current_stream()
     gate = torch.cuda.Event()
     gate.record(stream)
+    cuda_copies._forget_hints()
     cuda_copies.wait_gate(stream, gate)
     assert cuda_copies._next.gates == [gate]
     src = torch.ones(SPREAD_MIN_BYTES, dtype=torch.uint8, device="cuda:0")
@@ -143,3 +145,18 @@ def test_one_stream_next_keeps_only_the_next_batch_on_the_callers_stream() -> No
     assert copies._fork is not None  # the batch after is spread again
     torch.cuda.synchronize()
     assert bool(dst.all())
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_hint_scope_leaves_no_hint_behind() -> None:
+    from aiosync.planes import cuda_copies
+
+    stream = torch.cuda.current_stream()
+    gate = torch.cuda.Event()
+    gate.record(stream)
+    with cuda_copies.hint_scope():
+        cuda_copies.wait_gate(stream, gate)
+        cuda_copies.one_stream_next()
+    assert cuda_copies._take_gates() == []
+    assert cuda_copies._take_one_stream() is False

@@ -76,8 +76,11 @@ def old_copies_switch() -> set[str]:
             return parts
         return new_apply(self, parts, target)
 
+    widths: dict[int, int] = {}  # each instance's own width, by id
+
     def queue(self: Any, jobs: Any, stream: Any) -> None:
-        self.width = 1 if "s" in mode else cuda_copies.WIDTH
+        own = widths.setdefault(id(self), self.width)
+        self.width = 1 if "s" in mode else own
         new_queue(self, jobs, stream)
 
     take_gates = cuda_copies._take_gates

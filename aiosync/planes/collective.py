@@ -265,6 +265,10 @@ class CollectiveSenderPlane:
             if done is not None:  # the buffer's previous broadcast, queued by queue()
                 side.wait_event(done)
             buffer = self._buffers[index]
+            if plan.used > buffer.numel():
+                raise ValueError(
+                    f"bucket needs {plan.used} bytes; the buffer holds {buffer.numel()}"
+                )
             jobs, rest = plain_jobs(buffer.data_ptr(), self._copies.device, plan)
             self._copies.queue(jobs, side)
             if rest.specs:

@@ -27,7 +27,7 @@ from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, U
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import CollectivePlaneSpec
-from aiosync.planes.cuda_copies import one_stream_next
+from aiosync.planes.cuda_copies import hint_scope, one_stream_next
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,8 @@ class CollectiveReceiverPlane:
                 TensorSpec(f"skipped-{i}", "uint8", (nbytes,), offset, nbytes)
                 for i, (offset, nbytes) in enumerate(slots)
             ]
-        self.view(index, used)
+        with hint_scope():  # nothing is copied out of a skipped bucket
+            self.view(index, used)
         self.applied(index)  # the next receive into the buffer follows this one
 
     @contextmanager

@@ -28,7 +28,8 @@ spreading made a flattened NCCL broadcast 1.21x the raw one instead of 1.16x.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -65,6 +66,25 @@ def wait_gate(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
 def one_stream_next() -> None:
     """Queue the next batch on this thread on the caller's stream alone (not spread)."""
     _next.one_stream = True
+
+
+@contextmanager
+def hint_scope() -> Iterator[None]:
+    """Run one bucket's work with no copy hint left from before, and leave none behind.
+
+    A hint (:func:`wait_gate`, :func:`one_stream_next`) that no batch took (a sink that
+    copies with torch, a skipped bucket, an error) goes with the scope.
+    """
+    _forget_hints()
+    try:
+        yield
+    finally:
+        _forget_hints()
+
+
+def _forget_hints() -> None:
+    _next.gates = []
+    _next.one_stream = False
 
 
 def _take_gates() -> list[torch.cuda.Event]:
@@ -130,11 +150,13 @@ class DeviceCopies:
                     side.wait_event(gate)
                 side.wait_event(fork)
             handles = [stream.cuda_stream] + [side.cuda_stream for side in sides]
-            for (dst, src, nbytes), lane in zip(jobs, deal(sizes, self.width), strict=True):
-                memcpy_async(dst, src, nbytes, handles[lane])
-            for side, join in zip(sides, joins, strict=True):
-                join.record(side)
-                stream.wait_event(join)
+            try:
+                for (dst, src, nbytes), lane in zip(jobs, deal(sizes, self.width), strict=True):
+                    memcpy_async(dst, src, nbytes, handles[lane])
+            finally:  # what was queued on a side stream stays before the caller's later work
+                for side, join in zip(sides, joins, strict=True):
+                    join.record(side)
+                    stream.wait_event(join)
 
     def _parts(self) -> tuple[torch.cuda.Event, list[torch.cuda.Stream], list[torch.cuda.Event]]:
         if self._fork is None:

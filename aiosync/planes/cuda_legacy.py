@@ -34,7 +34,7 @@ import torch
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import CudaLegacyPlaneSpec
-from aiosync.planes.cuda_copies import DeviceCopies, plain_jobs, wait_gate
+from aiosync.planes.cuda_copies import DeviceCopies, hint_scope, plain_jobs, wait_gate
 from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class CudaLegacySenderPlane:
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Queue the bucket's copies after the engines' last reads of the buffer; no wait."""
         stream = self._stream or torch.cuda.current_stream(self._device)
-        with torch.cuda.device(self._device), torch.cuda.stream(stream):
+        with torch.cuda.device(self._device), torch.cuda.stream(stream), hint_scope():
             waits, self._waits[index] = self._waits[index], []
             for handle in waits:
                 event = self._peer_events.get(handle)

@@ -29,6 +29,7 @@ from aiosync.core.engine_actions import Action, Apply, ClosePlane, Peer, Reply
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError
 from aiosync.core.wire import Bucket, Complete, Message, Ready
+from aiosync.planes.cuda_copies import hint_scope
 
 log = logging.getLogger(__name__)
 _local = threading.local()
@@ -41,17 +42,21 @@ def sync_deferred() -> bool:
 
 @contextmanager
 def ordered_apply(plane: Any, index: int) -> Iterator[None]:
-    """Around one bucket's apply: defer sinks' device waits; then record the plane's event."""
+    """Around one bucket's apply: defer sinks' device waits; then record the plane's event.
+
+    The copies' hints (:func:`~aiosync.planes.cuda_copies.hint_scope`) last the bucket.
+    """
     applied = getattr(plane, "applied", None) if getattr(plane, "events", None) else None
-    if applied is None:
-        yield
-        return
-    _local.deferred = True
-    try:
-        yield
-    finally:
-        _local.deferred = False
-        applied(index)  # also after a failure: the trainer must not wait for ever
+    with hint_scope():
+        if applied is None:
+            yield
+            return
+        _local.deferred = True
+        try:
+            yield
+        finally:
+            _local.deferred = False
+            applied(index)  # also after a failure: the trainer must not wait for ever
 
 
 def with_plane_events(actions: list[Action], plane: Any) -> list[Action]:
