@@ -100,6 +100,19 @@ def test_small_batches_stay_on_the_callers_stream() -> None:
     assert copies._fork is None  # no side stream was made
 
 
+def two_halves() -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """A source of ones, a zeroed target and the two copies (half the spread minimum each)
+    that fill it; keep the source alive while the copies run."""
+    src = torch.ones(SPREAD_MIN_BYTES, dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src)
+    half = SPREAD_MIN_BYTES // 2
+    jobs = [
+        (dst.data_ptr(), src.data_ptr(), half),
+        (dst.data_ptr() + half, src.data_ptr() + half, half),
+    ]
+    return src, dst, jobs
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_a_gate_is_noted_and_taken_by_the_next_batch_on_this_thread() -> None:
@@ -112,13 +125,7 @@ def test_a_gate_is_noted_and_taken_by_the_next_batch_on_this_thread() -> None:
     cuda_copies._forget_hints()
     cuda_copies.wait_gate(stream, gate)
     assert cuda_copies._next.gates == [gate]
-    src = torch.ones(SPREAD_MIN_BYTES, dtype=torch.uint8, device="cuda:0")
-    dst = torch.zeros_like(src)
-    half = SPREAD_MIN_BYTES // 2
-    jobs = [
-        (dst.data_ptr(), src.data_ptr(), half),
-        (dst.data_ptr() + half, src.data_ptr() + half, half),
-    ]
+    _src, dst, jobs = two_halves()  # the source lives until the test ends
     DeviceCopies(0).queue(jobs, stream)
     assert cuda_copies._next.gates == []  # taken by that batch
     torch.cuda.synchronize()
@@ -130,13 +137,7 @@ def test_a_gate_is_noted_and_taken_by_the_next_batch_on_this_thread() -> None:
 def test_one_stream_next_keeps_only_the_next_batch_on_the_callers_stream() -> None:
     from aiosync.planes.cuda_copies import one_stream_next
 
-    src = torch.ones(SPREAD_MIN_BYTES, dtype=torch.uint8, device="cuda:0")
-    dst = torch.zeros_like(src)
-    half = SPREAD_MIN_BYTES // 2
-    jobs = [
-        (dst.data_ptr(), src.data_ptr(), half),
-        (dst.data_ptr() + half, src.data_ptr() + half, half),
-    ]
+    _src, dst, jobs = two_halves()  # the source lives until the test ends
     copies = DeviceCopies(0)
     one_stream_next()
     copies.queue(jobs, torch.cuda.current_stream())
