@@ -2,7 +2,8 @@
 
 The engines' closing messages (complete, commit) do not wait for the drain: each engine
 checks for itself that it holds every bucket whole. The trainer's ``packed`` event does:
-its tensors are free only once no send reads them.
+its tensors are free only once no send reads them. A send task whose ack task ended (the
+version is being cancelled) raises the cancellation, not a closed stream's error.
 """
 
 from __future__ import annotations
@@ -87,3 +88,30 @@ async def test_under_a_collective_plane_the_commit_waits_for_the_drain(
     assert order == [("sent", complete), ("drained", 0), ("sent", commit)]
     assert committed_while_draining == [None]
     assert_same(target, contiguous(weights))
+
+
+async def test_a_bucket_sent_after_its_ack_loop_ended_raises_the_cancellation() -> None:
+    """A zmq send that completes at once passes no checkpoint: the send task then finds
+    the ack loop's stream closed (the task group is being cancelled) and must raise the
+    cancellation, not a broken stream that would hide it."""
+    from types import SimpleNamespace
+
+    from aiosync.core.layout import BucketPlan
+    from aiosync.pipeline.fanout import BucketFanout, _Packed
+
+    sent: list[bytes] = []
+
+    async def send(payload: bytes, *args: object) -> None:
+        sent.append(payload)  # done at once, as zmq's send often is
+
+    link = SimpleNamespace(window=None, send=send, session=SimpleNamespace(sent=lambda seq: None))
+    inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](4)
+    inflight_rx.close()  # the ack loop has ended
+    fanout = SimpleNamespace(version=3, timeout=1.0)
+    packed = _Packed(1, 0, b"bucket", BucketPlan())
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await BucketFanout._send_one(fanout, link, packed, inflight_tx)  # type: ignore[arg-type]
+    assert scope.cancelled_caught
+    assert sent == [b"bucket"]
+    inflight_tx.close()

@@ -355,7 +355,11 @@ class BucketFanout:
                 raise link.timeout_error("ack freeing a send slot", self.version, tensor)
         await link.send(packed.payload, "a bucket", self.version, tensor)
         link.session.sent(packed.seq)
-        inflight.send_nowait(packed)
+        try:
+            inflight.send_nowait(packed)
+        except anyio.BrokenResourceError:  # the ack loop ended: raise its cancellation
+            await anyio.lowlevel.checkpoint()  # (a zmq send done at once did not check)
+            raise
 
     async def _ack_loop(
         self,
