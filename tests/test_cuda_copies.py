@@ -33,10 +33,17 @@ def test_deal_gives_each_copy_to_the_least_loaded_stream_in_order() -> None:
 def test_plain_jobs_leaves_cpu_tensors_to_torch() -> None:
     tensors = {"a": torch.ones(10), "b": torch.arange(6).view(2, 3).t()}
     (plan,) = plan_buckets(tensors.items(), 1024)
-    jobs, rest = plain_jobs(4096, 0, plan)
+    jobs, rest = plain_jobs(torch.empty(1024, dtype=torch.uint8), plan)
     assert jobs == []
     assert [spec.name for spec in rest.specs] == ["a", "b"]
     assert rest.used == plan.used
+
+
+def test_plain_jobs_refuses_a_bucket_larger_than_the_buffer() -> None:
+    (plan,) = plan_buckets([("a", torch.ones(100))], 1024)
+    short = plan.used - 1
+    with pytest.raises(ValueError, match=f"needs {plan.used} bytes but the buffer holds {short}"):
+        plain_jobs(torch.empty(short, dtype=torch.uint8), plan)
 
 
 @pytest.mark.gpu
@@ -49,9 +56,10 @@ def test_plain_jobs_are_the_plain_tensors_on_the_device_at_their_offsets() -> No
         "empty": torch.empty(0, device="cuda:0"),
     }
     (plan,) = plan_buckets(tensors.items(), 4096)
-    jobs, rest = plain_jobs(1 << 40, 0, plan)
+    buffer = torch.empty(4096, dtype=torch.uint8, device="cuda:0")
+    jobs, rest = plain_jobs(buffer, plan)
     spec = plan.specs[0]
-    assert jobs == [((1 << 40) + spec.offset, tensors["plain"].data_ptr(), 400)]
+    assert jobs == [(buffer.data_ptr() + spec.offset, tensors["plain"].data_ptr(), 400)]
     assert sorted(s.name for s in rest.specs) == ["cpu", "strided"]
 
 

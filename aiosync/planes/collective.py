@@ -265,11 +265,7 @@ class CollectiveSenderPlane:
             if done is not None:  # the buffer's previous broadcast, queued by queue()
                 side.wait_event(done)
             buffer = self._buffers[index]
-            if plan.used > buffer.numel():
-                raise ValueError(
-                    f"bucket needs {plan.used} bytes; the buffer holds {buffer.numel()}"
-                )
-            jobs, rest = plain_jobs(buffer.data_ptr(), self._copies.device, plan)
+            jobs, rest = plain_jobs(buffer, plan)
             self._copies.queue(jobs, side)
             if rest.specs:
                 with torch.cuda.stream(side):

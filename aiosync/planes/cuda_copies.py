@@ -169,13 +169,17 @@ class DeviceCopies:
         return self._fork, self._sides, self._joins
 
 
-def plain_jobs(base: int, device: int, plan: BucketPlan) -> tuple[list[CopyJob], BucketPlan]:
-    """Split a bucket's packing into copies by address and what needs torch.
+def plain_jobs(buffer: torch.Tensor, plan: BucketPlan) -> tuple[list[CopyJob], BucketPlan]:
+    """Split packing a bucket into ``buffer`` (flat ``uint8``): copies by address, the rest.
 
-    ``base`` is the address of a buffer of at least ``plan.used`` bytes on ``device``.
-    Plain tensors on that device become :data:`CopyJob`; any other (another device, the
-    CPU, not contiguous) stays in the returned plan, for :func:`~aiosync.core.layout.pack_bucket`.
+    Plain tensors on the buffer's device become :data:`CopyJob`; any other (another device,
+    the CPU, not contiguous) stays in the returned plan, for
+    :func:`~aiosync.core.layout.pack_bucket`. A plan larger than the buffer is a
+    ``ValueError``, before anything is copied.
     """
+    if plan.used > buffer.numel():
+        raise ValueError(f"bucket needs {plan.used} bytes but the buffer holds {buffer.numel()}")
+    base, device = buffer.data_ptr(), buffer.device.index if buffer.is_cuda else None
     jobs: list[CopyJob] = []
     rest = BucketPlan(used=plan.used)
     for source, spec in zip(plan.tensors, plan.specs, strict=True):

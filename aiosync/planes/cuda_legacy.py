@@ -65,9 +65,7 @@ def _pack(
     the last. Any other tensor (another device, the CPU, not contiguous) goes through
     :func:`pack_bucket`.
     """
-    if plan.used > buffer.size:
-        raise ValueError(f"bucket needs {plan.used} bytes but the buffer holds {buffer.size}")
-    jobs, rest = plain_jobs(buffer.tensor.data_ptr(), buffer.device, plan)
+    jobs, rest = plain_jobs(buffer.tensor, plan)
     copies.queue(jobs, stream)
     if rest.specs:
         pack_bucket(buffer.tensor, rest)
