@@ -250,9 +250,9 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     ``i`` packs and applies on the event loops (no thread hop); ``o`` copies as before
     by-address queuing (one ``copy_`` a tensor on both sides); ``s`` queues those on one
     stream, ``g`` spreads them without gates; ``d`` / ``f``: direct mode, one region a
-    tensor / one region in all.
+    tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64.
     """
-    shape = variant.rstrip("iodfsg")
+    shape = variant.rstrip("iodfsgw")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -299,6 +299,7 @@ def trainer(args: argparse.Namespace) -> None:
             mode.update(flags)
             command("mode " + " ".join(flags))
             source = timeline_switches.direct_for(model, flags, sources)
+            timeline_switches.regions_per_bucket(flags)
             times, stall = run(
                 functools.partial(
                     _native, model, endpoint, args, shape, args.repeats + 1, None, source
@@ -325,6 +326,7 @@ def trainer(args: argparse.Namespace) -> None:
         total = 1 + args.traced
         shape, flags = _variant(variants[0])
         traced = timeline_switches.direct_for(model, flags, sources)
+        timeline_switches.regions_per_bucket(flags)
         run(lambda: _native(model, endpoint, args, shape, total, start, traced))
         trainer_marks = rec.dump()
         engine_marks = command("dump")["marks"]
@@ -364,7 +366,7 @@ def main() -> None:
         default="2x1024,2x1024o,2x1024i,4x1024,2x2048",
         help="NxMB each; a trailing i packs and applies on the event loops (no thread "
         "hop), o copies one copy_ a tensor (as before by-address queuing), d sends direct "
-        "(a region a tensor), f direct out of one region",
+        "(a region a tensor), f direct out of one region, w up to 1024 regions a direct bucket",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--traced", type=int, default=2)

@@ -96,6 +96,16 @@ def old_copies_switch() -> set[str]:
     return mode
 
 
+def regions_per_bucket(flags: list[str]) -> None:
+    """Direct buckets of up to 1024 regions with flag ``w``, else the library's default."""
+    from aiosync.planes.direct import MAX_REGIONS_PER_BUCKET
+    from aiosync.trainer import direct
+
+    default = getattr(direct, "_DEFAULT_REGIONS", direct.REGIONS_PER_BUCKET)
+    direct._DEFAULT_REGIONS = default  # type: ignore[attr-defined]
+    direct.REGIONS_PER_BUCKET = MAX_REGIONS_PER_BUCKET if "w" in flags else default
+
+
 def direct_for(
     model: Mapping[str, torch.Tensor], flags: list[str], made: dict[str, dict[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor] | None:
