@@ -146,6 +146,25 @@ def test_ten_versions_bit_exact_with_the_byte_split_exact() -> None:
     assert memfds() == before
 
 
+def test_steady_versions_are_read_on_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a version was split, the next ones (the split kept) skip the reading thread."""
+    import aiosync.trainer.sender as sender_module
+
+    threaded: list[int] = []
+    read_ahead = sender_module.read_ahead
+
+    def counted(read: object, plane: object, version: int) -> object:
+        threaded.append(version)
+        return read_ahead(read, plane, version)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sender_module, "read_ahead", counted)
+    torch.manual_seed(0)
+    model = Net()
+    with share_tensors(model):
+        run(lambda: stream(model, 4))  # bit-exact and the byte split checked each version
+    assert threaded == [0]
+
+
 def test_a_module_as_source_goes_direct_whole() -> None:
     torch.manual_seed(0)
     model = Net()

@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from aiosync.core.layout import MAX_BUCKET_ITEMS
+from aiosync.core.layout import MAX_BUCKET_ITEMS, BucketPlan
+from aiosync.core.planning import VersionSource
 from aiosync.core.wire import CudaRegion, Region
+from aiosync.pipeline.ahead import read_here
 from aiosync.planes.direct import DirectPlan
 from aiosync.planes.direct_regions import (
     NOT_PLAIN,
@@ -106,6 +108,10 @@ class FakeFinder(RegionFinder):
 class FakePlane:
     finder: FakeFinder
     count: int = 2
+    packs: int = 0
+
+    def pack(self, index: int, plan: object) -> None:
+        self.packs += not isinstance(plan, DirectPlan)  # a direct plan has nothing to copy
 
 
 class Net(torch.nn.Module):
@@ -303,3 +309,64 @@ def test_regions_past_half_the_engines_bounds_are_packed(monkeypatch: pytest.Mon
     monkeypatch.setattr(direct, "OPEN_BYTES", by_bytes[0].a.nbytes)
     assert len(read(by_bytes[2], by_bytes[0])) == 1
     assert "past the engines' bound on open regions (2)" in by_bytes[2].note
+
+
+def read_kept(reader: DirectReader, net: Net) -> VersionSource | None:
+    return reader.read_kept(dict(net.named_parameters()), 1 << 20, MAX_BUCKET_ITEMS)
+
+
+def test_a_kept_split_is_read_on_the_loop_as_read_reads_it() -> None:
+    net, finder, reader = setup()
+    assert read_kept(reader, net) is None  # nothing kept yet: the thread's read splits
+    first = reader.read(dict(net.named_parameters()), None, 1 << 20, MAX_BUCKET_ITEMS)
+    again = read_kept(reader, net)
+    assert again is not None
+    assert again.manifest == first.manifest
+    assert [p.regions for p in again.plans] == [p.regions for p in first.plans]  # type: ignore[attr-defined]
+    assert not reader.fresh
+    assert finder.lookups == 0
+    third = read_kept(reader, net)
+    assert third is not None
+    assert third.manifest is again.manifest  # one list: its encoded bytes are kept
+
+
+def test_the_loop_read_declines_what_is_not_bounded_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiosync.trainer.direct as direct
+
+    net, finder, reader = setup(owned=False)  # every region looked up each version
+    read(reader, net)
+    assert read_kept(reader, net) is not None
+    monkeypatch.setattr(direct, "LOOP_LOOKUPS", 2)
+    assert read_kept(reader, net) is None  # three regions to look up
+    monkeypatch.setattr(direct, "LOOP_LOOKUPS", 64)
+    monkeypatch.setattr(direct, "LOOP_TENSORS", 2)
+    assert read_kept(reader, net) is None  # three tensors
+    monkeypatch.setattr(direct, "LOOP_TENSORS", 1024)
+    net.a.data = net.a.data.clone()  # moved: the split no longer holds
+    finder.allocate(net.a)
+    assert read_kept(reader, net) is None
+    read(reader, net)
+    assert reader.fresh  # the thread's read then splits afresh
+
+
+def test_read_here_takes_a_direct_bucket_1_and_leaves_a_bucket_to_pack() -> None:
+    net, finder, reader = setup()
+    plane = FakePlane(finder)
+    reader.plane = plane  # type: ignore[assignment]
+    read(reader, net)
+    got = read_here(lambda: read_kept(reader, net), plane, 0)  # type: ignore[arg-type]
+    assert got is not None
+    source, first = got
+    assert isinstance(first.plan, DirectPlan)
+    assert list(source.plans) == []  # the only bucket was taken
+    assert plane.packs == 0
+    assert read_here(lambda: None, plane, 0) is None  # type: ignore[arg-type]
+    ring = BucketPlan(specs=[], used=64)
+    packed = VersionSource(None, None, iter([ring]))
+    got = read_here(lambda: packed, plane, 0)  # type: ignore[arg-type]
+    assert got is not None
+    assert got[1].plan is None  # left for the pipeline's packing thread
+    assert list(got[0].plans) == [ring]
+    assert plane.packs == 0

@@ -210,6 +210,7 @@ def trainer_hooks(rec: Recorder) -> None:
     _wrap(sender.WeightSender, "send", send)
     _wrap(sender, "read_source", read_source)
     _wrap(direct.DirectReader, "read", read_source)  # direct mode reads through this
+    _wrap(direct.DirectReader, "read_kept", read_source)  # or this, on the loop
     _wrap(cuda_legacy, "_pack", pack_bucket)
     _wrap(shm, "pack_bucket", pack_bucket)
     _wrap(fanout.BucketFanout, "_pack_next", pack_next)

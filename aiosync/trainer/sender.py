@@ -39,7 +39,7 @@ from aiosync.core.manifest import TensorMeta
 from aiosync.core.planning import VersionSource, read_source
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
-from aiosync.pipeline.ahead import read_ahead
+from aiosync.pipeline.ahead import read_ahead, read_here
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
 from aiosync.pipeline.stream import StreamRun
@@ -327,8 +327,12 @@ class WeightSender:
                     checks.append(snapshot_check(read.pairs))
             return read
 
-        job = functools.partial(read_ahead, read_and_sample, plane, version)
-        read, first = await anyio.to_thread.run_sync(job)
+        here = self._read_here(source, manifest, min(MAX_BUCKET_ITEMS, most))
+        ahead = None if here is None else read_here(here, plane, version)
+        if ahead is None:
+            job = functools.partial(read_ahead, read_and_sample, plane, version)
+            ahead = await anyio.to_thread.run_sync(job)
+        read, first = ahead
         run = StreamRun(
             links=list(self._links.values()),
             plane=plane,  # type: ignore[arg-type]
@@ -362,6 +366,16 @@ class WeightSender:
             ", ".join(report.committed),
         )
         return report
+
+    def _read_here(
+        self, source: Any, manifest: Manifest | None, max_items: int
+    ) -> Callable[[], VersionSource | None] | None:
+        """A read bounded enough for the event loop (a direct split kept), if one applies."""
+        if self._direct is None or manifest is not None or self.config.check_snapshot:
+            return None
+        return functools.partial(
+            self._direct.read_kept, source, self._capacity, max_items, self._layouts.lay_out
+        )
 
     async def _drop_broken(self) -> None:
         """Engines whose session broke leave the fleet; they are kept in ``lost_engines``."""
