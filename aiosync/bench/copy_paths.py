@@ -9,7 +9,10 @@ spin while the copies are queued, so host queueing is not counted), median of
 - ``streams_N``: one ``cudaMemcpyAsync`` a tensor, dealt over N streams by
   :class:`~aiosync.planes.cuda_copies.DeviceCopies` (N=1 is one stream; more let one
   copy's tail overlap the next one's start; the library uses 2);
-- ``foreach``: ``torch._foreach_copy_``.
+- ``foreach``: ``torch._foreach_copy_``;
+- ``graph_N``: the copies as one CUDA graph (:class:`~aiosync.planes.cuda_graphs.CopyGraph`)
+  in N independent chains, launched with one call (``graph_free``: no chains, every copy
+  independent).
 
 Prints one JSON object: milliseconds and the ratio to ``flat`` per path, and the host time
 to queue each.
@@ -29,6 +32,7 @@ import torch
 
 from aiosync.bench.model import LLAMA3_8B, llama_layout
 from aiosync.planes.cuda_copies import DeviceCopies
+from aiosync.planes.cuda_graphs import CopyGraph
 from aiosync.planes.cuda_runtime import memcpy_async
 
 SPIN_CYCLES = 20_000_000  # about 10 ms of a spinning kernel: longer than any queueing
@@ -71,6 +75,10 @@ def measure(repeats: int) -> dict[str, Any]:
     for n in (1, 2, 3, 4, 8):
         copies = DeviceCopies(torch.cuda.current_device(), n)
         paths[f"streams_{n}"] = functools.partial(copies.queue, jobs, torch.cuda.current_stream())
+    for lanes in (1, 2, 4, 8, None):
+        graph = CopyGraph(jobs, torch.cuda.current_device(), lanes)
+        name = f"graph_{lanes}" if lanes else "graph_free"
+        paths[name] = functools.partial(graph.launch, torch.cuda.current_stream())
     out: dict[str, Any] = {
         "bytes": total,
         "tensors": len(sizes),

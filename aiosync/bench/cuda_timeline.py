@@ -250,9 +250,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     ``i`` packs and applies on the event loops (no thread hop); ``o`` copies as before
     by-address queuing (one ``copy_`` a tensor on both sides); ``s`` queues those on one
     stream, ``g`` spreads them without gates; ``d`` / ``f``: direct mode, one region a
-    tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64.
+    tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
+    ``t`` reads a direct version in a worker thread, never on the loop.
     """
-    shape = variant.rstrip("iodfsgw")
+    shape = variant.rstrip("iodfsgwt")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -300,6 +301,7 @@ def trainer(args: argparse.Namespace) -> None:
             command("mode " + " ".join(flags))
             source = timeline_switches.direct_for(model, flags, sources)
             timeline_switches.regions_per_bucket(flags)
+            timeline_switches.thread_read(flags)
             times, stall = run(
                 functools.partial(
                     _native, model, endpoint, args, shape, args.repeats + 1, None, source
@@ -327,6 +329,7 @@ def trainer(args: argparse.Namespace) -> None:
         shape, flags = _variant(variants[0])
         traced = timeline_switches.direct_for(model, flags, sources)
         timeline_switches.regions_per_bucket(flags)
+        timeline_switches.thread_read(flags)
         run(lambda: _native(model, endpoint, args, shape, total, start, traced))
         trainer_marks = rec.dump()
         engine_marks = command("dump")["marks"]
@@ -366,7 +369,8 @@ def main() -> None:
         default="2x1024,2x1024o,2x1024i,4x1024,2x2048",
         help="NxMB each; a trailing i packs and applies on the event loops (no thread "
         "hop), o copies one copy_ a tensor (as before by-address queuing), d sends direct "
-        "(a region a tensor), f direct out of one region, w up to 1024 regions a direct bucket",
+        "(a region a tensor), f direct out of one region, w up to 1024 regions a direct "
+        "bucket, t direct versions read in a thread",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--traced", type=int, default=2)

@@ -96,6 +96,18 @@ def old_copies_switch() -> set[str]:
     return mode
 
 
+def thread_read(flags: list[str]) -> None:
+    """With flag ``t``, a direct-mode sender reads every version in a worker thread.
+
+    As before :meth:`~aiosync.trainer.direct.DirectReader.read_kept`: no read on the loop.
+    """
+    from aiosync.trainer.sender import WeightSender
+
+    own = getattr(WeightSender, "_own_read_here", WeightSender._read_here)
+    WeightSender._own_read_here = own  # type: ignore[attr-defined]
+    WeightSender._read_here = (lambda *_: None) if "t" in flags else own  # type: ignore[method-assign]
+
+
 def regions_per_bucket(flags: list[str]) -> None:
     """Direct buckets of up to 1024 regions with flag ``w``, else the library's default."""
     from aiosync.planes.direct import MAX_REGIONS_PER_BUCKET

@@ -1,0 +1,120 @@
+"""A batch of device copies as one CUDA graph: built once, launched with one call.
+
+Where the same copies recur every version (an engine's copy program for a kept layout, a
+direct bucket's reads of a trainer's regions), queueing them one ``cudaMemcpyAsync`` at a
+time costs host time per copy, and on one stream each copy waits for the last wave of
+the one before it. A :class:`CopyGraph` holds the copies as memcpy nodes of one graph,
+in ``lanes`` chains (each chain in order, the chains independent of each other; ``None``:
+every copy independent), and queues all of them with one ``cudaGraphLaunch``. To other
+work on the stream it is launched on, the graph is one step: it starts after what was
+queued before and what is queued after starts after all of it.
+
+The addresses are fixed when the graph is built: the owner rebuilds it when they change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from aiosync.planes.cuda_copies import CopyJob, deal
+from aiosync.planes.cuda_runtime import _MEMCPY_DEFAULT, _check, runtime
+
+_bound = threading.Lock()
+_signatures_set = False
+
+
+def _graph_runtime() -> ctypes.CDLL:
+    """The runtime library with the graph functions' argument types declared (once)."""
+    global _signatures_set
+    lib = runtime()
+    with _bound:
+        if not _signatures_set:
+            lib.cudaGraphCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+            lib.cudaGraphAddMemcpyNode1D.argtypes = [
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+            ]
+            lib.cudaGraphInstantiateWithFlags.argtypes = [
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_void_p,
+                ctypes.c_ulonglong,
+            ]
+            lib.cudaGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib.cudaGraphExecDestroy.argtypes = [ctypes.c_void_p]
+            lib.cudaGraphDestroy.argtypes = [ctypes.c_void_p]
+            _signatures_set = True
+    return lib
+
+
+class CopyGraph:
+    """``jobs`` (destination, source, bytes) as one instantiated graph on ``device``."""
+
+    def __init__(self, jobs: Sequence[CopyJob], device: int, lanes: int | None = 2) -> None:
+        lib = _graph_runtime()
+        self.device = device
+        self.jobs = len(jobs)
+        self._graph: int | None = None
+        self._exec: int | None = None
+        with torch.cuda.device(device):
+            graph = ctypes.c_void_p()
+            _check(lib.cudaGraphCreate(ctypes.byref(graph), 0), "cudaGraphCreate")
+            self._graph = graph.value
+            try:
+                self._add(lib, jobs, lanes)
+                made = ctypes.c_void_p()
+                code = lib.cudaGraphInstantiateWithFlags(ctypes.byref(made), graph, 0)
+                _check(code, "cudaGraphInstantiateWithFlags")
+                self._exec = made.value
+            except BaseException:
+                self.close()
+                raise
+
+    def _add(self, lib: ctypes.CDLL, jobs: Sequence[CopyJob], lanes: int | None) -> None:
+        ends: list[ctypes.c_void_p | None] = [None] * (lanes or 1)
+        order = deal([n for _, _, n in jobs], lanes) if lanes else [0] * len(jobs)
+        for (dst, src, nbytes), lane in zip(jobs, order, strict=True):
+            node = ctypes.c_void_p()
+            last = ends[lane] if lanes else None
+            deps = ctypes.byref(last) if last is not None else None
+            code = lib.cudaGraphAddMemcpyNode1D(
+                ctypes.byref(node),
+                ctypes.c_void_p(self._graph),
+                deps,
+                1 if last is not None else 0,
+                ctypes.c_void_p(dst),
+                ctypes.c_void_p(src),
+                nbytes,
+                _MEMCPY_DEFAULT,
+            )
+            _check(code, "cudaGraphAddMemcpyNode1D")
+            ends[lane] = node
+
+    def launch(self, stream: torch.cuda.Stream) -> None:
+        """Queue every copy on ``stream`` (on this graph's device); no host wait."""
+        if self._exec is None:
+            raise RuntimeError("the copy graph is closed")
+        _check(
+            _graph_runtime().cudaGraphLaunch(
+                ctypes.c_void_p(self._exec), ctypes.c_void_p(stream.cuda_stream)
+            ),
+            "cudaGraphLaunch",
+        )
+
+    def close(self) -> None:
+        """Destroy the graph (idempotent); launches already queued still run."""
+        lib = _graph_runtime()
+        made, graph, self._exec, self._graph = self._exec, self._graph, None, None
+        if made is not None:
+            lib.cudaGraphExecDestroy(ctypes.c_void_p(made))
+        if graph is not None:
+            lib.cudaGraphDestroy(ctypes.c_void_p(graph))
