@@ -13,14 +13,9 @@ non-zero unless every version is bit-exact. Every process is killed and reaped a
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +23,7 @@ from typing import Any
 import torch
 
 from aiosync.bench.model import LLAMA3_8B, llama_layout
+from tests.colocate_procs import Children, loopback_env, role_parser, skip_without_two_gpus
 
 GUARD = 170.0  # seconds for the whole run: it must finish unattended in under 3 minutes
 
@@ -180,64 +176,28 @@ def trainer_main(rank: int, store: str, endpoint: str, versions: int, bucket_mb:
 # ----------------------------------------------------------------------------- driver
 
 
-def _lines(proc: subprocess.Popen[str], out: list[dict[str, Any]], tag: str) -> None:
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        try:
-            out.append(json.loads(raw))
-        except json.JSONDecodeError:
-            print(f"[{tag}] {raw.rstrip()}", file=sys.stderr, flush=True)
-
-
 def drive(versions: int, bucket_mb: float) -> int:
-    from aiosync.runtime import child_env, stop_process
-
-    if not TINY and torch.cuda.device_count() < 2:
-        print(json.dumps({"skipped": "needs two CUDA devices"}), flush=True)
+    if skip_without_two_gpus(TINY):
         return 0
-    env = child_env()
+    env = loopback_env()
     env["AIOSYNC_COLOCATE_TINY"] = "1" if TINY else "0"
     env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: Gloo's pairs over loopback
-    me = [sys.executable, "-m", "tests.colocate_gpu"]
-    procs: list[subprocess.Popen[str]] = []
     deadline = time.monotonic() + GUARD
-    try:
-        engine = subprocess.Popen(
-            [*me, "--role", "engine"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        procs.append(engine)
+    with Children("tests.colocate_gpu", env=env) as children:
         started: list[dict[str, Any]] = []
-        threading.Thread(target=_lines, args=(engine, started, "engine"), daemon=True).start()
+        engine = children.start_engine(started.append)
         while not started and engine.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)  # polling a child's first line, bounded by the run's deadline
         ready = started[0] if started else {}
         if "ready" not in ready:
             print(json.dumps({"error": "engine did not start", "got": ready}), flush=True)
             return 1
-        store = os.path.join(tempfile.mkdtemp(prefix="aiosync-colocate-"), "store")
+        store = children.store()  # removed with the children
         results: list[dict[str, Any]] = []
-        readers = []
-        for rank in range(2):
-            args = ["--role", "trainer", "--rank", str(rank), "--store", store]
-            args += ["--endpoint", ready["ready"], "--versions", str(versions)]
-            args += ["--bucket-mb", str(bucket_mb)]
-            proc = subprocess.Popen([*me, *args], stdout=subprocess.PIPE, text=True, env=env)
-            procs.append(proc)
-            reader = threading.Thread(
-                target=_lines, args=(proc, results, f"rank {rank}"), daemon=True
-            )
-            reader.start()
-            readers.append(reader)
-        codes = []
-        for proc in procs[1:]:
-            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-        for reader in readers:
-            reader.join(timeout=10)
+        readers = children.start_trainers(
+            store, ready["ready"], versions, results.append, "--bucket-mb", str(bucket_mb)
+        )
+        codes = children.wait_trainers(readers, deadline)
         for line in sorted(results, key=lambda r: (r.get("version", 0), r.get("rank", 0))):
             print(json.dumps(line), flush=True)
         sources = [r for r in results if "exact" in r]
@@ -260,22 +220,10 @@ def drive(versions: int, bucket_mb: float) -> int:
         }
         print(json.dumps({"summary": summary}), flush=True)
         return 0 if ok else 1
-    finally:
-        for proc in procs:
-            if proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-        for proc in procs:
-            stop_process(proc, grace=10)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=["drive", "engine", "trainer"], default="drive")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--store", default="")
-    parser.add_argument("--endpoint", default="")
-    parser.add_argument("--versions", type=int, default=4, help="per mode (overlap or not)")
+    parser = role_parser(__doc__, versions=4, versions_help="per mode (overlap or not)")
     parser.add_argument("--bucket-mb", type=float, default=1024)
     parser.add_argument("--tiny", action="store_true", help="CPU only, shapes scaled down")
     args = parser.parse_args()

@@ -14,22 +14,16 @@ smaller shapes), CI's check of this script. Every process is killed and reaped a
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import os
 import queue
-import shutil
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from typing import Any
 
 import torch
 
 from aiosync.bench.model import llama_layout
+from tests.colocate_procs import Children, loopback_env, role_parser, skip_without_two_gpus
 
 GUARD = 90.0  # seconds for the whole run (it takes well under 60 on two GPUs)
 GPU_DIMS = (256, 64, 512, 1000, 2)  # about 3.3 MB per rank in bf16
@@ -148,36 +142,16 @@ def trainer_main(rank: int, store: str, endpoint: str, versions: int, tiny: bool
 # ----------------------------------------------------------------------------- driver
 
 
-def _lines(proc: subprocess.Popen[str], out: queue.Queue[dict[str, Any]], tag: str) -> None:
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        try:
-            out.put(json.loads(raw))
-        except json.JSONDecodeError:
-            print(f"[{tag}] {raw.rstrip()}", file=sys.stderr, flush=True)
-
-
 def drive(versions: int, tiny: bool) -> int:
-    from aiosync.runtime import child_env, stop_process
-
-    if not tiny and torch.cuda.device_count() < 2:
-        print(json.dumps({"skipped": "needs two CUDA devices"}), flush=True)
+    if skip_without_two_gpus(tiny):
         return 0
-    env = child_env()
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: Gloo's pairs over loopback
-    me = [sys.executable, "-m", "tests.colocate_pipeline_gpu", *(["--tiny"] if tiny else [])]
-    procs: list[subprocess.Popen[str]] = []
-    procs_dir: list[str] = []  # the Gloo file store's directory, removed at the end
+    env = loopback_env()
+    tiny_argv = ["--tiny"] if tiny else []
     deadline = time.monotonic() + GUARD
     began = time.monotonic()
-    try:
-        engine = subprocess.Popen(
-            [*me, "--role", "engine"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=env,
-        )  # fmt: skip
-        procs.append(engine)
+    with Children("tests.colocate_pipeline_gpu", *tiny_argv, env=env) as children:
         from_engine: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=_lines, args=(engine, from_engine, "engine"), daemon=True).start()
+        children.start_engine(from_engine.put)
         try:
             ready = from_engine.get(timeout=60)
         except queue.Empty:
@@ -185,23 +159,9 @@ def drive(versions: int, tiny: bool) -> int:
         if "ready" not in ready:
             print(json.dumps({"error": "engine did not start", "got": ready}), flush=True)
             return 1
-        scratch = tempfile.mkdtemp(prefix="aiosync-colocate-")
-        procs_dir.append(scratch)
-        store = os.path.join(scratch, "store")
         results: queue.Queue[dict[str, Any]] = queue.Queue()
-        readers = []
-        for rank in range(2):
-            args = ["--role", "trainer", "--rank", str(rank), "--store", store]
-            args += ["--endpoint", ready["ready"], "--versions", str(versions)]
-            proc = subprocess.Popen([*me, *args], stdout=subprocess.PIPE, text=True, env=env)
-            procs.append(proc)
-            reader = threading.Thread(target=_lines, args=(proc, results, f"rank {rank}"))
-            reader.daemon = True
-            reader.start()
-            readers.append(reader)
-        codes = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs[1:]]
-        for reader in readers:
-            reader.join(timeout=10)
+        readers = children.start_trainers(children.store(), ready["ready"], versions, results.put)
+        codes = children.wait_trainers(readers, deadline)
         ranks = sorted(results.queue, key=lambda r: (r.get("version", 0), r.get("rank", 0)))
         checks = []
         while len(checks) < versions:  # the engine's check of the last commit may trail
@@ -228,24 +188,10 @@ def drive(versions: int, tiny: bool) -> int:
         }
         print(json.dumps({"summary": summary}), flush=True)
         return 0 if ok else 1
-    finally:
-        for proc in procs:
-            if proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-        for proc in procs:
-            stop_process(proc, grace=10)
-        for scratch in procs_dir:
-            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--role", choices=["drive", "engine", "trainer"], default="drive")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--store", default="")
-    parser.add_argument("--endpoint", default="")
-    parser.add_argument("--versions", type=int, default=2)
+    parser = role_parser(__doc__, versions=2)
     parser.add_argument("--tiny", action="store_true", help="CPU only, shapes scaled down")
     args = parser.parse_args()
     if args.role == "engine":

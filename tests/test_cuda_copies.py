@@ -169,3 +169,114 @@ def test_a_hint_scope_leaves_no_hint_behind() -> None:
         cuda_copies.one_stream_next()
     assert cuda_copies._take_gates() == []
     assert cuda_copies._take_one_stream() is False
+
+
+class FakeGraph:
+    """Stands in for a CUDA graph: records what it was made of and whether it was closed."""
+
+    def __init__(self, jobs: list[tuple[int, int, int]], device: int, lanes: int) -> None:
+        self.jobs, self.lanes, self.closed = list(jobs), lanes, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_batch_becomes_a_graph_the_second_time_and_the_oldest_graph_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiosync.planes import cuda_copies, cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "CopyGraph", FakeGraph)
+    monkeypatch.setattr(cuda_copies, "GRAPHS_KEPT", 2)
+    copies = DeviceCopies(0)
+
+    def batch(k: int, n: int = cuda_copies.GRAPH_MIN_JOBS) -> list[tuple[int, int, int]]:
+        return [(1000 * k + i, 10**6 + i, 8) for i in range(n)]
+
+    assert copies._graph(batch(1), 4) is None  # seen once: queued copy by copy
+    first = copies._graph(batch(1), 4)
+    assert isinstance(first, FakeGraph)
+    assert (first.jobs, first.lanes) == (batch(1), 4)
+    assert copies._graph(batch(1), 4) is first  # kept
+    assert copies._graph(batch(1), 1) is None  # one stream: another graph, seen once
+    assert copies._graph(batch(9, cuda_copies.GRAPH_MIN_JOBS - 1), 4) is None
+    assert copies._graph(batch(9, cuda_copies.GRAPH_MIN_JOBS - 1), 4) is None  # too small
+    for k in (2, 3):
+        copies._graph(batch(k), 4)
+        copies._graph(batch(k), 4)
+    assert first.closed  # the least recently launched of three went
+    assert len(copies._kept) == 2
+    kept = list(copies._kept.values())
+    copies.close()
+    assert all(graph.closed for graph in kept)  # type: ignore[attr-defined]
+    assert not copies._kept
+    assert not copies._seen
+
+
+def test_batches_seen_once_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiosync.planes import cuda_copies, cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "CopyGraph", FakeGraph)
+    monkeypatch.setattr(cuda_copies, "SEEN_KEPT", 3)
+    copies = DeviceCopies(0)
+    jobs = [[(k, i, 8) for i in range(cuda_copies.GRAPH_MIN_JOBS)] for k in range(5)]
+    for batch in jobs:
+        assert copies._graph(batch, 4) is None
+    assert len(copies._seen) == 3
+    assert copies._graph(jobs[0], 4) is None  # forgotten: seen once again
+    assert copies._graph(jobs[4], 4) is not None  # remembered: made a graph
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_recurring_batch_runs_as_a_graph_bit_exact_and_ordered(width: int) -> None:
+    """Round 1 copy by copy, round 2 makes the graph, rounds 3 and 4 launch it: each time
+    after the work queued before it on the caller's stream and before the work after."""
+    from aiosync.planes.cuda_copies import GRAPH_MIN_JOBS
+
+    gen = torch.Generator(device="cuda:0").manual_seed(3)
+    sizes = [(i * 7919) % (MiB // 2) + 1 for i in range(2 * GRAPH_MIN_JOBS)] + [9 * MiB]
+    sources = [
+        torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0", generator=gen)
+        for n in sizes
+    ]
+    targets = [torch.zeros(n, dtype=torch.uint8, device="cuda:0") for n in sizes]
+    jobs = [(d.data_ptr(), s.data_ptr(), s.nbytes) for d, s in zip(targets, sources, strict=True)]
+    copies = DeviceCopies(0, width)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for round_ in range(4):
+            torch.cuda._sleep(2_000_000)  # the copies must wait for this
+            for src in sources:
+                src.add_(1)
+            copies.queue(jobs, stream)
+            assert len(copies._kept) == (0 if round_ == 0 else 1)
+            sums = torch.stack([t.sum(dtype=torch.int64) for t in targets])
+            expected = torch.stack([s.sum(dtype=torch.int64) for s in sources])
+            assert torch.equal(sums.cpu(), expected.cpu()), round_
+    stream.synchronize()
+    assert all(torch.equal(s, d) for s, d in zip(sources, targets, strict=True))
+    copies.close()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("lanes", [None, 1, 4])
+def test_a_copy_graph_copies_every_job_and_refuses_a_launch_once_closed(
+    lanes: int | None,
+) -> None:
+    from aiosync.planes.cuda_graphs import CopyGraph
+
+    src = torch.arange(64 * 1024, dtype=torch.int32, device="cuda:0")
+    dst = torch.zeros_like(src)
+    step = src.nbytes // 32
+    jobs = [(dst.data_ptr() + k * step, src.data_ptr() + k * step, step) for k in range(32)]
+    graph = CopyGraph(jobs, 0, lanes)
+    graph.launch(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    assert torch.equal(src, dst)
+    graph.close()
+    graph.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        graph.launch(torch.cuda.current_stream())

@@ -12,7 +12,7 @@ spin while the copies are queued, so host queueing is not counted), median of
 - ``foreach``: ``torch._foreach_copy_``;
 - ``graph_N``: the copies as one CUDA graph (:class:`~aiosync.planes.cuda_graphs.CopyGraph`)
   in N independent chains, launched with one call (``graph_free``: no chains, every copy
-  independent).
+  independent); ``build_ms``: the host time to make the graph.
 
 Prints one JSON object: milliseconds and the ratio to ``flat`` per path, and the host time
 to queue each.
@@ -73,11 +73,14 @@ def measure(repeats: int) -> dict[str, Any]:
     }
     jobs = list(zip(dsts, srcs, sizes, strict=True))
     for n in (1, 2, 3, 4, 8):
-        copies = DeviceCopies(torch.cuda.current_device(), n)
+        copies = DeviceCopies(torch.cuda.current_device(), n, graphs=False)
         paths[f"streams_{n}"] = functools.partial(copies.queue, jobs, torch.cuda.current_stream())
+    built: dict[str, float] = {}
     for lanes in (1, 2, 4, 8, None):
+        t0 = time.perf_counter()
         graph = CopyGraph(jobs, torch.cuda.current_device(), lanes)
         name = f"graph_{lanes}" if lanes else "graph_free"
+        built[name] = (time.perf_counter() - t0) * 1e3
         paths[name] = functools.partial(graph.launch, torch.cuda.current_stream())
     out: dict[str, Any] = {
         "bytes": total,
@@ -98,6 +101,8 @@ def measure(repeats: int) -> dict[str, Any]:
             "ratio_to_flat": round(gpu / flat_ms, 3) if flat_ms else None,
             "exact": exact,
         }
+        if name in built:
+            out[name]["build_ms"] = round(built[name], 3)
     return out
 
 

@@ -251,9 +251,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     by-address queuing (one ``copy_`` a tensor on both sides); ``s`` queues those on one
     stream, ``g`` spreads them without gates; ``d`` / ``f``: direct mode, one region a
     tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
-    ``t`` reads a direct version in a worker thread, never on the loop.
+    ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
+    batch of copies copy by copy (no CUDA graphs).
     """
-    shape = variant.rstrip("iodfsgwt")
+    shape = variant.rstrip("iodfsgwtn")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -370,7 +371,7 @@ def main() -> None:
         help="NxMB each; a trailing i packs and applies on the event loops (no thread "
         "hop), o copies one copy_ a tensor (as before by-address queuing), d sends direct "
         "(a region a tensor), f direct out of one region, w up to 1024 regions a direct "
-        "bucket, t direct versions read in a thread",
+        "bucket, t direct versions read in a thread, n no CUDA graphs of copies",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--traced", type=int, default=2)

@@ -53,7 +53,8 @@ def old_copies_switch() -> set[str]:
     ``pack_bucket`` (one ``copy_`` a tensor) and an engine's CUDA buckets skip the copy
     programs. ``"s"``: the by-address copies all go on the caller's stream, as before they
     were spread over two (:mod:`aiosync.planes.cuda_copies`); ``"g"``: spread, but the side
-    stream waits on its fork only, not first on the other process's events. The same run
+    stream waits on its fork only, not first on the other process's events; ``"n"``: no
+    graphs, every batch queued copy by copy. The same run
     then measures each. Call before :func:`trainer_hooks` (which wraps what this installs).
     """
     from aiosync.core.layout import pack_bucket
@@ -81,6 +82,7 @@ def old_copies_switch() -> set[str]:
     def queue(self: Any, jobs: Any, stream: Any) -> None:
         own = widths.setdefault(id(self), self.width)
         self.width = 1 if "s" in mode else own
+        self.graphs = "n" not in mode
         new_queue(self, jobs, stream)
 
     take_gates = cuda_copies._take_gates

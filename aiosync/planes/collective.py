@@ -369,6 +369,8 @@ class CollectiveSenderPlane:
             self._ordered.close()
         self._executor.close(wait=False)
         self._hosted.close()
+        if self._copies is not None:
+            self._copies.close()
         self._buffers.clear()
         self._segments.clear()
         self._ready.clear()

@@ -9,13 +9,16 @@ every copy independent), and queues all of them with one ``cudaGraphLaunch``. To
 work on the stream it is launched on, the graph is one step: it starts after what was
 queued before and what is queued after starts after all of it.
 
-The addresses are fixed when the graph is built: the owner rebuilds it when they change.
+The addresses are fixed when the graph is built: the owner makes another when they change.
+A graph is destroyed by :meth:`CopyGraph.close` or when it is garbage (a launch still in
+flight completes either way).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -56,6 +59,14 @@ def _graph_runtime() -> ctypes.CDLL:
     return lib
 
 
+def _destroy(made: int | None, graph: int | None) -> None:
+    lib = _graph_runtime()
+    if made is not None:
+        lib.cudaGraphExecDestroy(ctypes.c_void_p(made))
+    if graph is not None:
+        lib.cudaGraphDestroy(ctypes.c_void_p(graph))
+
+
 class CopyGraph:
     """``jobs`` (destination, source, bytes) as one instantiated graph on ``device``."""
 
@@ -63,58 +74,54 @@ class CopyGraph:
         lib = _graph_runtime()
         self.device = device
         self.jobs = len(jobs)
-        self._graph: int | None = None
         self._exec: int | None = None
         with torch.cuda.device(device):
             graph = ctypes.c_void_p()
             _check(lib.cudaGraphCreate(ctypes.byref(graph), 0), "cudaGraphCreate")
-            self._graph = graph.value
             try:
-                self._add(lib, jobs, lanes)
+                _add_copies(lib, graph, jobs, lanes)
                 made = ctypes.c_void_p()
                 code = lib.cudaGraphInstantiateWithFlags(ctypes.byref(made), graph, 0)
                 _check(code, "cudaGraphInstantiateWithFlags")
-                self._exec = made.value
             except BaseException:
-                self.close()
+                _destroy(None, graph.value)
                 raise
-
-    def _add(self, lib: ctypes.CDLL, jobs: Sequence[CopyJob], lanes: int | None) -> None:
-        ends: list[ctypes.c_void_p | None] = [None] * (lanes or 1)
-        order = deal([n for _, _, n in jobs], lanes) if lanes else [0] * len(jobs)
-        for (dst, src, nbytes), lane in zip(jobs, order, strict=True):
-            node = ctypes.c_void_p()
-            last = ends[lane] if lanes else None
-            deps = ctypes.byref(last) if last is not None else None
-            code = lib.cudaGraphAddMemcpyNode1D(
-                ctypes.byref(node),
-                ctypes.c_void_p(self._graph),
-                deps,
-                1 if last is not None else 0,
-                ctypes.c_void_p(dst),
-                ctypes.c_void_p(src),
-                nbytes,
-                _MEMCPY_DEFAULT,
-            )
-            _check(code, "cudaGraphAddMemcpyNode1D")
-            ends[lane] = node
+        self._exec = made.value
+        self._finalizer = weakref.finalize(self, _destroy, made.value, graph.value)
 
     def launch(self, stream: torch.cuda.Stream) -> None:
         """Queue every copy on ``stream`` (on this graph's device); no host wait."""
         if self._exec is None:
             raise RuntimeError("the copy graph is closed")
-        _check(
-            _graph_runtime().cudaGraphLaunch(
-                ctypes.c_void_p(self._exec), ctypes.c_void_p(stream.cuda_stream)
-            ),
-            "cudaGraphLaunch",
+        code = _graph_runtime().cudaGraphLaunch(
+            ctypes.c_void_p(self._exec), ctypes.c_void_p(stream.cuda_stream)
         )
+        _check(code, "cudaGraphLaunch")
 
     def close(self) -> None:
         """Destroy the graph (idempotent); launches already queued still run."""
-        lib = _graph_runtime()
-        made, graph, self._exec, self._graph = self._exec, self._graph, None, None
-        if made is not None:
-            lib.cudaGraphExecDestroy(ctypes.c_void_p(made))
-        if graph is not None:
-            lib.cudaGraphDestroy(ctypes.c_void_p(graph))
+        self._exec = None
+        self._finalizer()
+
+
+def _add_copies(
+    lib: ctypes.CDLL, graph: ctypes.c_void_p, jobs: Sequence[CopyJob], lanes: int | None
+) -> None:
+    """One memcpy node a job: in ``lanes`` chains dealt as streams would be, or all free."""
+    ends: list[ctypes.c_void_p | None] = [None] * (lanes or 1)
+    order = deal([n for _, _, n in jobs], lanes) if lanes else [0] * len(jobs)
+    for (dst, src, nbytes), lane in zip(jobs, order, strict=True):
+        node = ctypes.c_void_p()
+        last = ends[lane] if lanes else None
+        code = lib.cudaGraphAddMemcpyNode1D(
+            ctypes.byref(node),
+            graph,
+            ctypes.byref(last) if last is not None else None,
+            1 if last is not None else 0,
+            ctypes.c_void_p(dst),
+            ctypes.c_void_p(src),
+            nbytes,
+            _MEMCPY_DEFAULT,
+        )
+        _check(code, "cudaGraphAddMemcpyNode1D")
+        ends[lane] = node

@@ -148,6 +148,7 @@ class CudaLegacySenderPlane:
 
     def close(self) -> None:
         """Free the buffers once the device is idle (idempotent)."""
+        self._copies.close()
         for buffer in self._buffers:
             buffer.close()
         self._buffers.clear()
