@@ -280,3 +280,35 @@ def test_a_copy_graph_copies_every_job_and_refuses_a_launch_once_closed(
     graph.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         graph.launch(torch.cuda.current_stream())
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_batch_behind_a_pending_gate_is_queued_copy_by_copy() -> None:
+    """A gate still pending (another process's work, here a spin on another stream) keeps
+    the batch off its graph; once the gate fired, the recurring batch runs as one."""
+    from aiosync.planes import cuda_copies
+
+    src = torch.ones(64 * 1024, dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src)
+    step = src.nbytes // 32
+    jobs = [(dst.data_ptr() + k * step, src.data_ptr() + k * step, step) for k in range(32)]
+    copies = DeviceCopies(0)
+    stream = torch.cuda.current_stream()
+    copies.queue(jobs, stream)  # seen once
+    other = torch.cuda.Stream()
+    gate = torch.cuda.Event()
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(200_000_000)  # long enough to be pending at the next queue
+        gate.record(other)
+    cuda_copies.wait_gate(stream, gate)
+    copies.queue(jobs, stream)
+    assert not copies._kept  # pending gate: no graph
+    torch.cuda.synchronize()
+    assert gate.query()
+    cuda_copies.wait_gate(stream, gate)
+    copies.queue(jobs, stream)
+    assert len(copies._kept) == 1  # fired: the graph
+    torch.cuda.synchronize()
+    assert bool(dst.all())
+    copies.close()
