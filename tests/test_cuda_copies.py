@@ -167,8 +167,10 @@ def test_a_hint_scope_leaves_no_hint_behind() -> None:
     with cuda_copies.hint_scope():
         cuda_copies.wait_gate(stream, gate)
         cuda_copies.one_stream_next()
+        cuda_copies.graph_next()
     assert cuda_copies._take_gates() == []
     assert cuda_copies._take_one_stream() is False
+    assert cuda_copies._take_graph() is False
 
 
 class FakeGraph:
@@ -233,7 +235,7 @@ def test_batches_seen_once_are_remembered_up_to_a_bound(monkeypatch: pytest.Monk
 def test_a_recurring_batch_runs_as_a_graph_bit_exact_and_ordered(width: int) -> None:
     """Round 1 copy by copy, round 2 makes the graph, rounds 3 and 4 launch it: each time
     after the work queued before it on the caller's stream and before the work after."""
-    from aiosync.planes.cuda_copies import GRAPH_MIN_JOBS
+    from aiosync.planes.cuda_copies import GRAPH_MIN_JOBS, graph_next
 
     gen = torch.Generator(device="cuda:0").manual_seed(3)
     sizes = [(i * 7919) % (MiB // 2) + 1 for i in range(2 * GRAPH_MIN_JOBS)] + [9 * MiB]
@@ -250,6 +252,7 @@ def test_a_recurring_batch_runs_as_a_graph_bit_exact_and_ordered(width: int) -> 
             torch.cuda._sleep(2_000_000)  # the copies must wait for this
             for src in sources:
                 src.add_(1)
+            graph_next()
             copies.queue(jobs, stream)
             assert len(copies._kept) == (0 if round_ == 0 else 1)
             sums = torch.stack([t.sum(dtype=torch.int64) for t in targets])
@@ -286,7 +289,8 @@ def test_a_copy_graph_copies_every_job_and_refuses_a_launch_once_closed(
 @requires_cuda
 def test_a_batch_behind_a_pending_gate_is_queued_copy_by_copy() -> None:
     """A gate still pending (another process's work, here a spin on another stream) keeps
-    the batch off its graph; once the gate fired, the recurring batch runs as one."""
+    the batch off its graph; once the gate fired, the recurring batch runs as one. Without
+    the hint (:func:`graph_next`) no batch is ever a graph."""
     from aiosync.planes import cuda_copies
 
     src = torch.ones(64 * 1024, dtype=torch.uint8, device="cuda:0")
@@ -295,6 +299,10 @@ def test_a_batch_behind_a_pending_gate_is_queued_copy_by_copy() -> None:
     jobs = [(dst.data_ptr() + k * step, src.data_ptr() + k * step, step) for k in range(32)]
     copies = DeviceCopies(0)
     stream = torch.cuda.current_stream()
+    for _ in range(3):
+        copies.queue(jobs, stream)  # not asked for: never a graph
+    assert not copies._kept
+    cuda_copies.graph_next()
     copies.queue(jobs, stream)  # seen once
     other = torch.cuda.Stream()
     gate = torch.cuda.Event()
@@ -302,13 +310,33 @@ def test_a_batch_behind_a_pending_gate_is_queued_copy_by_copy() -> None:
         torch.cuda._sleep(200_000_000)  # long enough to be pending at the next queue
         gate.record(other)
     cuda_copies.wait_gate(stream, gate)
+    cuda_copies.graph_next()
     copies.queue(jobs, stream)
     assert not copies._kept  # pending gate: no graph
     torch.cuda.synchronize()
     assert gate.query()
     cuda_copies.wait_gate(stream, gate)
+    cuda_copies.graph_next()
     copies.queue(jobs, stream)
     assert len(copies._kept) == 1  # fired: the graph
     torch.cuda.synchronize()
     assert bool(dst.all())
     copies.close()
+
+
+def test_a_graph_the_runtime_cannot_make_leaves_the_copies_one_by_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aiosync.core.errors import AiosyncError
+    from aiosync.planes import cuda_copies, cuda_graphs
+
+    def refuse(*_: object) -> None:
+        raise AiosyncError("cudaGraphInstantiateWithFlags failed: not supported")
+
+    monkeypatch.setattr(cuda_graphs, "CopyGraph", refuse)
+    copies = DeviceCopies(0)
+    jobs = [(i, 10**6 + i, 8) for i in range(cuda_copies.GRAPH_MIN_JOBS)]
+    assert copies._graph(jobs, 4) is None
+    assert copies._graph(jobs, 4) is None  # the second time it tried, and was refused
+    assert not copies.graphs  # never again on this device
+    assert "no CUDA graph" in caplog.text

@@ -19,16 +19,17 @@ event of its own process keeps that process's turn, so the GPU idles until the t
 the GPU switch at once. With the gates, the side stream's own wait is only ever on work
 that can already run.
 
-A batch queued before with the very same addresses (an engine's copies for a layout it
-kept, a trainer packing the same tensors into the same buffer) is, from its second time
-on, one CUDA graph (:class:`~aiosync.planes.cuda_graphs.CopyGraph`) in :data:`GRAPH_LANES`
-independent chains, launched with one call: no host time per copy, and the chains
-overlap more tails than two streams do (Llama-3-8B's 291 tensors on an H200: 1.016x one
-flat copy, against 1.05x over two streams and 1.12x on one). The graph runs on the
-caller's stream as one step; it is used only when every gate of the batch has fired (see
-:meth:`DeviceCopies._may_graph`): where two processes take turns on one GPU, a graph
-waiting behind the other process's work holds the GPU idle, as a side stream without
-gates did.
+A batch that recurs with the very same addresses every version (an engine reading a
+direct bucket out of a trainer's parameters) may ask to run as one CUDA graph
+(:func:`graph_next`; :class:`~aiosync.planes.cuda_graphs.CopyGraph`): from its second time
+on, the copies are memcpy nodes in :data:`GRAPH_LANES` independent chains, launched with
+one call. No host time per copy, and the chains overlap more tails than two streams do
+(Llama-3-8B's 291 tensors on an H200: 1.015x one flat copy, against 1.05x over two
+streams and 1.12x on one). Making a graph costs about 10 µs a copy, once. The graph runs
+on the caller's stream as one step, and only when every gate of the batch has fired (see
+:meth:`DeviceCopies._may_graph`). Other batches are not graphs: packed buckets between
+two processes on one GPU mostly wait on pending gates, and graphs made at random versions
+there only added their making to those versions; beside a collective they gained nothing.
 
 Spreading helps where copies are bound by the GPU's own memory. Where a collective runs on
 the same GPU meanwhile, the second stream only takes bandwidth from it: there the plane
@@ -38,6 +39,7 @@ spreading made a flattened NCCL broadcast 1.21x the raw one instead of 1.16x.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, is_plain
 from aiosync.planes.cuda_runtime import memcpy_async
 
@@ -68,12 +71,12 @@ GRAPH_LANES = 4
 """Independent chains of a batch's graph (one where the batch is to take one stream)."""
 GRAPHS_KEPT = 512
 """Graphs one :class:`DeviceCopies` keeps (the least recently launched go first): more than
-a version's buckets for any model of today (a 405B model in bf16 is about 760 buckets of 1
-GiB; a trainer packs each into one of its buffers, so each buffer sees a share)."""
+a version's direct buckets for any model of today (64 regions a bucket)."""
 SEEN_KEPT = 1024
 """Batches seen once that one :class:`DeviceCopies` remembers, to make a graph if they recur."""
 
 
+log = logging.getLogger(__name__)
 _next = threading.local()  # what the next batch on this thread is to do: gates, one stream
 
 
@@ -95,11 +98,17 @@ def one_stream_next() -> None:
     _next.one_stream = True
 
 
+def graph_next() -> None:
+    """Let the next batch on this thread run as a CUDA graph once it recurs (see above)."""
+    _next.graph = True
+
+
 @contextmanager
 def hint_scope() -> Iterator[None]:
     """Run one bucket's work with no copy hint left from before, and leave none behind.
 
-    A hint (:func:`wait_gate`, :func:`one_stream_next`) that no batch took (a sink that
+    A hint (:func:`wait_gate`, :func:`one_stream_next`, :func:`graph_next`) that no batch
+    took (a sink that
     copies with torch, a skipped bucket, an error) goes with the scope.
     """
     _forget_hints()
@@ -112,6 +121,7 @@ def hint_scope() -> Iterator[None]:
 def _forget_hints() -> None:
     _next.gates = []
     _next.one_stream = False
+    _next.graph = False
 
 
 def _take_gates() -> list[torch.cuda.Event]:
@@ -124,6 +134,12 @@ def _take_one_stream() -> bool:
     one: bool = getattr(_next, "one_stream", False)
     _next.one_stream = False
     return one
+
+
+def _take_graph() -> bool:
+    graph: bool = getattr(_next, "graph", False)
+    _next.graph = False
+    return graph
 
 
 def deal(sizes: Sequence[int], width: int) -> list[int]:
@@ -144,9 +160,9 @@ class DeviceCopies:
     """Queues batches of device-to-device copies on one GPU, spread over :data:`WIDTH` streams.
 
     One per owner (an engine's copy programs, a sender plane); the side stream and events
-    are made on first use and kept, as are the graphs of recurring batches (``graphs``,
-    see the module's docstring) until :meth:`close`. Safe to call from any thread; no host
-    wait.
+    are made on first use and kept, as are the graphs of recurring batches that asked for
+    one (:func:`graph_next`; none if ``graphs`` is False) until :meth:`close`. Safe to
+    call from any thread; no host wait.
     """
 
     def __init__(self, device: int, width: int = WIDTH, *, graphs: bool = True) -> None:
@@ -165,13 +181,13 @@ class DeviceCopies:
 
         ``stream`` is on this object's device, as is every address (or mapped into it).
         """
-        gates, one_stream = _take_gates(), _take_one_stream()
+        gates, one_stream, hinted = _take_gates(), _take_one_stream(), _take_graph()
         if not jobs:
             return
         sizes = [nbytes for _, _, nbytes in jobs]
         with self._lock, torch.cuda.device(self.device):
             lanes = 1 if one_stream or self.width < 2 else GRAPH_LANES
-            graph = self._graph(jobs, lanes) if self._may_graph(gates) else None
+            graph = self._graph(jobs, lanes) if hinted and self._may_graph(gates) else None
             if graph is not None:
                 graph.launch(stream)
                 return
@@ -223,7 +239,12 @@ class DeviceCopies:
         from aiosync.planes.cuda_graphs import CopyGraph
 
         del self._seen[key]
-        graph = self._kept[key] = CopyGraph(jobs, self.device, lanes)
+        try:
+            graph = self._kept[key] = CopyGraph(jobs, self.device, lanes)
+        except (AiosyncError, AttributeError) as exc:  # a runtime without these graph calls
+            log.warning("copies stay one by one on cuda:%d: no CUDA graph (%s)", self.device, exc)
+            self.graphs = False
+            return None
         if len(self._kept) > GRAPHS_KEPT:
             self._kept.popitem(last=False)[1].close()  # a launch in flight still completes
         return graph

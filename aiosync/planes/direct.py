@@ -45,7 +45,7 @@ from aiosync.core.wire import (
     ShmPlaneSpec,
 )
 from aiosync.planes.base import SenderPlane
-from aiosync.planes.cuda_copies import wait_gate
+from aiosync.planes.cuda_copies import graph_next, wait_gate
 from aiosync.planes.direct_regions import RegionFinder, address_range
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,8 @@ class DirectReceiverPlane:
             kept = self._checked(used, specs, regions, version)
         if self._start is not None:
             wait_gate(torch.cuda.current_stream(self._device), self._start)
+        if self._cuda:
+            graph_next()  # the same reads every version while the split holds
         return kept.parts
 
     def _kept(self, specs: list[TensorSpec], regions: list[Region], version: int) -> _Split | None:
