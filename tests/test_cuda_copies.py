@@ -340,3 +340,29 @@ def test_a_graph_the_runtime_cannot_make_leaves_the_copies_one_by_one(
     assert copies._graph(jobs, 4) is None  # the second time it tried, and was refused
     assert not copies.graphs  # never again on this device
     assert "no CUDA graph" in caplog.text
+
+
+def test_prune_lets_go_of_what_the_last_version_did_not_ask_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiosync.planes import cuda_copies, cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "CopyGraph", FakeGraph)
+    copies = DeviceCopies(0)
+    old, new = ([(k, i, 8) for i in range(cuda_copies.GRAPH_MIN_JOBS)] for k in (1, 2))
+    copies._graph(old, 4)
+    stale = copies._graph(old, 4)
+    assert isinstance(stale, FakeGraph)
+    copies.prune()  # the version that made it
+    copies._graph(new, 4)  # the next version reads elsewhere (seen once)
+    copies.prune()
+    assert stale.closed
+    assert not copies._kept
+    assert list(copies._seen) == [(4, *new)]  # asked for in the last version: remembered
+    fresh = copies._graph(new, 4)
+    copies.prune()
+    assert isinstance(fresh, FakeGraph)
+    assert not fresh.closed
+    copies.prune()  # a version that did not read it
+    assert fresh.closed
+    assert not copies._seen

@@ -318,16 +318,27 @@ def read_kept(reader: DirectReader, net: Net) -> VersionSource | None:
 def test_a_kept_split_is_read_on_the_loop_as_read_reads_it() -> None:
     net, finder, reader = setup()
     assert read_kept(reader, net) is None  # nothing kept yet: the thread's read splits
-    first = reader.read(dict(net.named_parameters()), None, 1 << 20, MAX_BUCKET_ITEMS)
+    reader.read(dict(net.named_parameters()), None, 1 << 20, MAX_BUCKET_ITEMS)
     again = read_kept(reader, net)
     assert again is not None
-    assert again.manifest == first.manifest
-    assert [p.regions for p in again.plans] == [p.regions for p in first.plans]  # type: ignore[attr-defined]
     assert not reader.fresh
     assert finder.lookups == 0
+    fresh = DirectReader(FakePlane(finder), True)  # type: ignore[arg-type]
+    expected = fresh.read(dict(net.named_parameters()), None, 1 << 20, MAX_BUCKET_ITEMS)
+    assert again.manifest == expected.manifest
+    got = [(p.regions, p.specs) for p in again.plans]  # type: ignore[attr-defined]
+    assert got == [(p.regions, p.specs) for p in expected.plans]  # type: ignore[attr-defined]
     third = read_kept(reader, net)
     assert third is not None
     assert third.manifest is again.manifest  # one list: its encoded bytes are kept
+
+
+def test_the_loop_read_leaves_a_split_with_nothing_direct_to_the_thread() -> None:
+    net, _, reader = setup()
+    reader.chosen = frozenset()  # no tensor asked to go direct: every bucket is packed
+    source = reader.read(dict(net.named_parameters()), None, 1 << 20, MAX_BUCKET_ITEMS)
+    assert not any(isinstance(plan, DirectPlan) for plan in source.plans)
+    assert read_kept(reader, net) is None
 
 
 def test_the_loop_read_declines_what_is_not_bounded_work(
@@ -351,7 +362,7 @@ def test_the_loop_read_declines_what_is_not_bounded_work(
     assert reader.fresh  # the thread's read then splits afresh
 
 
-def test_read_here_takes_a_direct_bucket_1_and_leaves_a_bucket_to_pack() -> None:
+def test_read_here_takes_a_direct_bucket_1_and_refuses_a_bucket_to_pack() -> None:
     net, finder, reader = setup()
     plane = FakePlane(finder)
     reader.plane = plane  # type: ignore[assignment]
@@ -363,10 +374,7 @@ def test_read_here_takes_a_direct_bucket_1_and_leaves_a_bucket_to_pack() -> None
     assert list(source.plans) == []  # the only bucket was taken
     assert plane.packs == 0
     assert read_here(lambda: None, plane, 0) is None  # type: ignore[arg-type]
-    ring = BucketPlan(specs=[], used=64)
-    packed = VersionSource(None, None, iter([ring]))
-    got = read_here(lambda: packed, plane, 0)  # type: ignore[arg-type]
-    assert got is not None
-    assert got[1].plan is None  # left for the pipeline's packing thread
-    assert list(got[0].plans) == [ring]
-    assert plane.packs == 0
+    packed = VersionSource(None, None, iter([BucketPlan(specs=[], used=64)]))
+    with pytest.raises(RuntimeError, match="bucket 1 is to pack"):
+        read_here(lambda: packed, plane, 0)  # type: ignore[arg-type]
+    assert plane.packs == 0  # nothing packed on the loop

@@ -78,11 +78,16 @@ def old_copies_switch() -> set[str]:
         return new_apply(self, parts, target)
 
     widths: dict[int, int] = {}  # each instance's own width, by id
+    graphs: dict[int, bool] = {}  # and whether it makes graphs
 
     def queue(self: Any, jobs: Any, stream: Any) -> None:
         own = widths.setdefault(id(self), self.width)
         self.width = 1 if "s" in mode else own
-        self.graphs = "n" not in mode
+        if "n" in mode:
+            graphs.setdefault(id(self), self.graphs)
+            self.graphs = False
+        elif id(self) in graphs:
+            self.graphs = graphs.pop(id(self))
         new_queue(self, jobs, stream)
 
     take_gates = cuda_copies._take_gates

@@ -162,10 +162,12 @@ class CopyPrograms:
         return copies
 
     def version_done(self) -> None:
-        """A version committed: drop programs it did not use."""
+        """A version committed: drop programs, and graphs of copies, it did not use."""
         for key in [key for key in self._programs if key not in self._used]:
             del self._programs[key]
         self._used.clear()
+        for copies in self._copies.values():
+            copies.prune()
 
 
 def _jobs(program: CopyProgram) -> list[CopyJob]:

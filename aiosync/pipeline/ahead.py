@@ -14,8 +14,7 @@ bucket, with the same errors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from itertools import chain
+from dataclasses import dataclass
 
 from aiosync.core.errors import AiosyncError, MismatchError
 from aiosync.core.layout import BucketPlan
@@ -92,15 +91,15 @@ def read_here(
     """:func:`read_ahead` on the caller's thread, for a ``read`` that is bounded work.
 
     ``read`` returns None where it would not be (then so does this, and nothing was
-    read). Bucket 1 is taken only if it has nothing to pack (a direct bucket); a bucket
-    to pack is put back in front of the plans, for the pipeline's packing thread.
+    read), or a version whose bucket 1, if any, has nothing to pack (a direct bucket):
+    a bucket to pack would be planned and packed here, on the event loop.
     """
     source = read()
     if source is None:
         return None
     plan = next_plan(source.plans, version)
-    if plan is None or getattr(plan, "regions", None):  # a direct plan names its regions
-        if plan is not None:
-            pack_plan(plane, FIRST_BUFFER, plan, version)  # no bytes to copy
-        return source, PackedAhead(plan)
-    return replace(source, plans=chain([plan], source.plans)), PackedAhead(None)
+    if plan is not None:
+        if not getattr(plan, "regions", None):  # a direct plan names its regions
+            raise RuntimeError("read_here: bucket 1 is to pack; read it in a thread")
+        pack_plan(plane, FIRST_BUFFER, plan, version)  # no bytes to copy
+    return source, PackedAhead(plan)

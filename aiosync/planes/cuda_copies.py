@@ -161,8 +161,8 @@ class DeviceCopies:
 
     One per owner (an engine's copy programs, a sender plane); the side stream and events
     are made on first use and kept, as are the graphs of recurring batches that asked for
-    one (:func:`graph_next`; none if ``graphs`` is False) until :meth:`close`. Safe to
-    call from any thread; no host wait.
+    one (:func:`graph_next`; none if ``graphs`` is False) until :meth:`prune` finds them
+    unused or :meth:`close`. Safe to call from any thread; no host wait.
     """
 
     def __init__(self, device: int, width: int = WIDTH, *, graphs: bool = True) -> None:
@@ -175,6 +175,7 @@ class DeviceCopies:
         self._joins: list[torch.cuda.Event] = []
         self._kept: OrderedDict[tuple[object, ...], CopyGraph] = OrderedDict()
         self._seen: OrderedDict[tuple[object, ...], None] = OrderedDict()
+        self._asked: set[tuple[object, ...]] = set()  # batches asked for since prune()
 
     def queue(self, jobs: Sequence[CopyJob], stream: torch.cuda.Stream) -> None:
         """Queue ``jobs`` so that, to later work on ``stream``, they ran on ``stream``.
@@ -227,6 +228,7 @@ class DeviceCopies:
         if len(jobs) < GRAPH_MIN_JOBS:
             return None
         key = (lanes, *jobs)
+        self._asked.add(key)
         graph = self._kept.get(key)
         if graph is not None:
             self._kept.move_to_end(key)
@@ -249,6 +251,19 @@ class DeviceCopies:
             self._kept.popitem(last=False)[1].close()  # a launch in flight still completes
         return graph
 
+    def prune(self) -> None:
+        """Let go of the graphs and batches not asked for since the last prune.
+
+        An engine prunes once a version: what that version did not read (a closed
+        session's regions, a layout gone) is not kept.
+        """
+        with self._lock:
+            for key in [key for key in self._kept if key not in self._asked]:
+                self._kept.pop(key).close()
+            for key in [key for key in self._seen if key not in self._asked]:
+                del self._seen[key]
+            self._asked.clear()
+
     def close(self) -> None:
         """Let go of the kept graphs (launches in flight still complete); idempotent."""
         with self._lock:
@@ -256,6 +271,7 @@ class DeviceCopies:
                 graph.close()
             self._kept.clear()
             self._seen.clear()
+            self._asked.clear()
 
     def _parts(self) -> tuple[torch.cuda.Event, list[torch.cuda.Stream], list[torch.cuda.Event]]:
         if self._fork is None:

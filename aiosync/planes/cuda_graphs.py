@@ -83,11 +83,10 @@ class CopyGraph:
                 made = ctypes.c_void_p()
                 code = lib.cudaGraphInstantiateWithFlags(ctypes.byref(made), graph, 0)
                 _check(code, "cudaGraphInstantiateWithFlags")
-            except BaseException:
-                _destroy(None, graph.value)
-                raise
+            finally:
+                _destroy(None, graph.value)  # the instantiated graph stands alone
         self._exec = made.value
-        self._finalizer = weakref.finalize(self, _destroy, made.value, graph.value)
+        self._finalizer = weakref.finalize(self, _destroy, made.value, None)
 
     def launch(self, stream: torch.cuda.Stream) -> None:
         """Queue every copy on ``stream`` (on this graph's device); no host wait."""

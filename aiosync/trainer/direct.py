@@ -111,11 +111,13 @@ class DirectReader:
 
         Bounded work (at most :data:`LOOP_TENSORS` tensors and :data:`LOOP_LOOKUPS` regions
         looked up, no export), so a sender may call it on its event loop and skip the hop
-        to a worker thread; None asks for :meth:`read` in a thread.
+        to a worker thread; None asks for :meth:`read` in a thread. Only a split with
+        direct tensors: the version's bucket 1 is then a direct bucket, nothing to pack
+        (whose planning could wait on values or copy a tensor).
         """
         kept = self._kept
-        if kept is None or len(kept.ids) > LOOP_TENSORS:
-            return None
+        if kept is None or not kept.direct or len(kept.ids) > LOOP_TENSORS:
+            return None  # nothing direct: bucket 1 is to pack, in the reading thread
         if isinstance(source, torch.nn.Module):
             source = module_tensors(source)
         pairs = visible_pairs(source)
