@@ -176,8 +176,8 @@ def test_a_hint_scope_leaves_no_hint_behind() -> None:
 class FakeGraph:
     """Stands in for a CUDA graph: records what it was made of and whether it was closed."""
 
-    def __init__(self, jobs: list[tuple[int, int, int]], device: int, lanes: int) -> None:
-        self.jobs, self.lanes, self.closed = list(jobs), lanes, False
+    def __init__(self, jobs: list[tuple[int, int, int]], device: int, chains: list[int]) -> None:
+        self.jobs, self.chains, self.closed = list(jobs), list(chains), False
 
     def close(self) -> None:
         self.closed = True
@@ -186,9 +186,9 @@ class FakeGraph:
 def test_a_batch_becomes_a_graph_the_second_time_and_the_oldest_graph_goes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiosync.planes import cuda_copies, cuda_graphs
+    from aiosync.planes import cuda_copies
 
-    monkeypatch.setattr(cuda_graphs, "CopyGraph", FakeGraph)
+    monkeypatch.setattr(cuda_copies, "CopyGraph", FakeGraph)
     monkeypatch.setattr(cuda_copies, "GRAPHS_KEPT", 2)
     copies = DeviceCopies(0)
 
@@ -198,7 +198,8 @@ def test_a_batch_becomes_a_graph_the_second_time_and_the_oldest_graph_goes(
     assert copies._graph(batch(1), 4) is None  # seen once: queued copy by copy
     first = copies._graph(batch(1), 4)
     assert isinstance(first, FakeGraph)
-    assert (first.jobs, first.lanes) == (batch(1), 4)
+    assert first.jobs == batch(1)
+    assert first.chains == cuda_copies.deal([8] * len(first.jobs), 4)  # dealt over 4 chains
     assert copies._graph(batch(1), 4) is first  # kept
     assert copies._graph(batch(1), 1) is None  # one stream: another graph, seen once
     assert copies._graph(batch(9, cuda_copies.GRAPH_MIN_JOBS - 1), 4) is None
@@ -216,9 +217,9 @@ def test_a_batch_becomes_a_graph_the_second_time_and_the_oldest_graph_goes(
 
 
 def test_batches_seen_once_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiosync.planes import cuda_copies, cuda_graphs
+    from aiosync.planes import cuda_copies
 
-    monkeypatch.setattr(cuda_graphs, "CopyGraph", FakeGraph)
+    monkeypatch.setattr(cuda_copies, "CopyGraph", FakeGraph)
     monkeypatch.setattr(cuda_copies, "SEEN_KEPT", 3)
     copies = DeviceCopies(0)
     jobs = [[(k, i, 8) for i in range(cuda_copies.GRAPH_MIN_JOBS)] for k in range(5)]
@@ -269,13 +270,14 @@ def test_a_recurring_batch_runs_as_a_graph_bit_exact_and_ordered(width: int) -> 
 def test_a_copy_graph_copies_every_job_and_refuses_a_launch_once_closed(
     lanes: int | None,
 ) -> None:
+    from aiosync.planes.cuda_copies import deal
     from aiosync.planes.cuda_graphs import CopyGraph
 
     src = torch.arange(64 * 1024, dtype=torch.int32, device="cuda:0")
     dst = torch.zeros_like(src)
     step = src.nbytes // 32
     jobs = [(dst.data_ptr() + k * step, src.data_ptr() + k * step, step) for k in range(32)]
-    graph = CopyGraph(jobs, 0, lanes)
+    graph = CopyGraph(jobs, 0, deal([step] * 32, lanes) if lanes else None)
     graph.launch(torch.cuda.current_stream())
     torch.cuda.synchronize()
     assert torch.equal(src, dst)
@@ -328,12 +330,12 @@ def test_a_graph_the_runtime_cannot_make_leaves_the_copies_one_by_one(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from aiosync.core.errors import AiosyncError
-    from aiosync.planes import cuda_copies, cuda_graphs
+    from aiosync.planes import cuda_copies
 
     def refuse(*_: object) -> None:
         raise AiosyncError("cudaGraphInstantiateWithFlags failed: not supported")
 
-    monkeypatch.setattr(cuda_graphs, "CopyGraph", refuse)
+    monkeypatch.setattr(cuda_copies, "CopyGraph", refuse)
     copies = DeviceCopies(0)
     jobs = [(i, 10**6 + i, 8) for i in range(cuda_copies.GRAPH_MIN_JOBS)]
     assert copies._graph(jobs, 4) is None
@@ -345,9 +347,9 @@ def test_a_graph_the_runtime_cannot_make_leaves_the_copies_one_by_one(
 def test_prune_lets_go_of_what_the_last_version_did_not_ask_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiosync.planes import cuda_copies, cuda_graphs
+    from aiosync.planes import cuda_copies
 
-    monkeypatch.setattr(cuda_graphs, "CopyGraph", FakeGraph)
+    monkeypatch.setattr(cuda_copies, "CopyGraph", FakeGraph)
     copies = DeviceCopies(0)
     old, new = ([(k, i, 8) for i in range(cuda_copies.GRAPH_MIN_JOBS)] for k in (1, 2))
     copies._graph(old, 4)
@@ -366,3 +368,10 @@ def test_prune_lets_go_of_what_the_last_version_did_not_ask_for(
     copies.prune()  # a version that did not read it
     assert fresh.closed
     assert not copies._seen
+
+
+def test_a_copy_graph_needs_a_chain_for_each_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiosync.planes import cuda_graphs
+
+    with pytest.raises(ValueError, match="2 chains given for 3 copies"):
+        cuda_graphs._add_copies(None, None, [(1, 2, 3)] * 3, [0, 1])  # type: ignore[arg-type]

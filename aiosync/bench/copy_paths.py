@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from aiosync.bench.model import LLAMA3_8B, llama_layout
-from aiosync.planes.cuda_copies import DeviceCopies
+from aiosync.planes.cuda_copies import DeviceCopies, deal
 from aiosync.planes.cuda_graphs import CopyGraph
 from aiosync.planes.cuda_runtime import memcpy_async
 
@@ -78,7 +78,8 @@ def measure(repeats: int) -> dict[str, Any]:
     built: dict[str, float] = {}
     for lanes in (1, 2, 4, 8, None):
         t0 = time.perf_counter()
-        graph = CopyGraph(jobs, torch.cuda.current_device(), lanes)
+        chains = deal(sizes, lanes) if lanes else None
+        graph = CopyGraph(jobs, torch.cuda.current_device(), chains)
         name = f"graph_{lanes}" if lanes else "graph_free"
         built[name] = (time.perf_counter() - t0) * 1e3
         paths[name] = functools.partial(graph.launch, torch.cuda.current_stream())

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from aiosync.core.layout import SMALL_COPY, TensorSpec, address_copy, is_plain
-from aiosync.planes.cuda_copies import CopyJob, DeviceCopies
+from aiosync.planes.cuda_copies import DeviceCopies
+from aiosync.planes.cuda_graphs import CopyJob
 
 MIN_SPECS = 16
 """Buckets of fewer tensors are copied one by one: a program saves nothing there."""

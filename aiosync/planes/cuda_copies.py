@@ -44,19 +44,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, is_plain
+from aiosync.planes.cuda_graphs import CopyGraph, CopyJob
 from aiosync.planes.cuda_runtime import memcpy_async
-
-if TYPE_CHECKING:
-    from aiosync.planes.cuda_graphs import CopyGraph
-
-CopyJob = tuple[int, int, int]
-"""One copy: destination address, source address, bytes."""
 
 WIDTH = 2
 """Streams a batch is spread over: the caller's and one side stream."""
@@ -238,11 +232,10 @@ class DeviceCopies:
             if len(self._seen) > SEEN_KEPT:
                 self._seen.popitem(last=False)
             return None
-        from aiosync.planes.cuda_graphs import CopyGraph
-
         del self._seen[key]
         try:
-            graph = self._kept[key] = CopyGraph(jobs, self.device, lanes)
+            chains = deal([nbytes for _, _, nbytes in jobs], lanes)
+            graph = self._kept[key] = CopyGraph(jobs, self.device, chains)
         except (AiosyncError, AttributeError) as exc:  # a runtime without these graph calls
             log.warning("copies stay one by one on cuda:%d: no CUDA graph (%s)", self.device, exc)
             self.graphs = False

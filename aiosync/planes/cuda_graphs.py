@@ -4,8 +4,9 @@ Where the same copies recur every version (an engine's copy program for a kept l
 direct bucket's reads of a trainer's regions), queueing them one ``cudaMemcpyAsync`` at a
 time costs host time per copy, and on one stream each copy waits for the last wave of
 the one before it. A :class:`CopyGraph` holds the copies as memcpy nodes of one graph,
-in ``lanes`` chains (each chain in order, the chains independent of each other; ``None``:
-every copy independent), and queues all of them with one ``cudaGraphLaunch``. To other
+in chains (each copy's chain given; each chain in order, the chains independent of each
+other; none given: every copy independent), and queues all of them with one
+``cudaGraphLaunch``. To other
 work on the stream it is launched on, the graph is one step: it starts after what was
 queued before and what is queued after starts after all of it.
 
@@ -23,8 +24,10 @@ from collections.abc import Sequence
 
 import torch
 
-from aiosync.planes.cuda_copies import CopyJob, deal
 from aiosync.planes.cuda_runtime import _MEMCPY_DEFAULT, _check, runtime
+
+CopyJob = tuple[int, int, int]
+"""One copy: destination address, source address, bytes."""
 
 _bound = threading.Lock()
 _signatures_set = False
@@ -68,9 +71,14 @@ def _destroy(made: int | None, graph: int | None) -> None:
 
 
 class CopyGraph:
-    """``jobs`` (destination, source, bytes) as one instantiated graph on ``device``."""
+    """``jobs`` as one instantiated graph on ``device``, job ``i`` in chain ``chains[i]``.
 
-    def __init__(self, jobs: Sequence[CopyJob], device: int, lanes: int | None = 2) -> None:
+    ``chains`` None: every copy independent of the others.
+    """
+
+    def __init__(
+        self, jobs: Sequence[CopyJob], device: int, chains: Sequence[int] | None = None
+    ) -> None:
         lib = _graph_runtime()
         self.device = device
         self.jobs = len(jobs)
@@ -79,7 +87,7 @@ class CopyGraph:
             graph = ctypes.c_void_p()
             _check(lib.cudaGraphCreate(ctypes.byref(graph), 0), "cudaGraphCreate")
             try:
-                _add_copies(lib, graph, jobs, lanes)
+                _add_copies(lib, graph, jobs, chains)
                 made = ctypes.c_void_p()
                 code = lib.cudaGraphInstantiateWithFlags(ctypes.byref(made), graph, 0)
                 _check(code, "cudaGraphInstantiateWithFlags")
@@ -104,14 +112,15 @@ class CopyGraph:
 
 
 def _add_copies(
-    lib: ctypes.CDLL, graph: ctypes.c_void_p, jobs: Sequence[CopyJob], lanes: int | None
+    lib: ctypes.CDLL, graph: ctypes.c_void_p, jobs: Sequence[CopyJob], chains: Sequence[int] | None
 ) -> None:
-    """One memcpy node a job: in ``lanes`` chains dealt as streams would be, or all free."""
-    ends: list[ctypes.c_void_p | None] = [None] * (lanes or 1)
-    order = deal([n for _, _, n in jobs], lanes) if lanes else [0] * len(jobs)
-    for (dst, src, nbytes), lane in zip(jobs, order, strict=True):
+    """One memcpy node a job, after the last node of its chain (none given: no edges)."""
+    if chains is not None and len(chains) != len(jobs):
+        raise ValueError(f"{len(chains)} chains given for {len(jobs)} copies")
+    ends: dict[int, ctypes.c_void_p] = {}
+    for k, (dst, src, nbytes) in enumerate(jobs):
         node = ctypes.c_void_p()
-        last = ends[lane] if lanes else None
+        last = ends.get(chains[k]) if chains is not None else None
         code = lib.cudaGraphAddMemcpyNode1D(
             ctypes.byref(node),
             graph,
@@ -123,4 +132,5 @@ def _add_copies(
             _MEMCPY_DEFAULT,
         )
         _check(code, "cudaGraphAddMemcpyNode1D")
-        ends[lane] = node
+        if chains is not None:
+            ends[chains[k]] = node
