@@ -537,3 +537,31 @@ def test_renamed_expectations_look_up_engine_names_and_report_sent_ones() -> Non
     sent = ["model." + name for name in module_tensors(model) if name != "embed.weight"]
     assert expect.missing([*sent, "model.head.weight"]) == []
     assert expect.missing(sent) == ["embed.weight"]  # missing names are the engine's
+
+
+class SharedBlock(nn.Module):
+    """One submodule reached under two names, and a buffer tied across two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+        self.b = self.a  # the same submodule twice
+        self.c = nn.Linear(3, 3)
+        self.c.register_buffer("table", self.a[1].running_mean)  # one buffer, two names
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [TiedLM, SharedBlock, lambda: nn.Transformer(16, 2, 1, 1, 32), lambda: nn.LSTM(4, 4, 2)],
+)
+def test_module_tensors_are_what_torch_lists_and_state_dict_keeps(make: Any) -> None:
+    """One walk of the tree, as ``named_parameters``, ``named_buffers`` and ``state_dict``
+    (which persistent buffers) would list the module."""
+    model = make()
+    persistent = set(model.state_dict(keep_vars=True))
+    expected = dict(model.named_parameters())
+    expected.update((n, b) for n, b in model.named_buffers() if n in persistent)
+    got = module_tensors(model)
+    assert list(got) == list(expected)
+    assert all(got[name] is tensor for name, tensor in expected.items())
