@@ -353,7 +353,7 @@ def test_the_loop_read_declines_what_is_not_bounded_work(
     assert read_kept(reader, net) is None  # three regions to look up
     monkeypatch.setattr(direct, "LOOP_LOOKUPS", 64)
     monkeypatch.setattr(direct, "LOOP_TENSORS", 2)
-    assert read_kept(reader, net) is None  # three tensors
+    assert read_kept(reader, net) is None  # three tensors (known from the last read)
     monkeypatch.setattr(direct, "LOOP_TENSORS", 1024)
     net.a.data = net.a.data.clone()  # moved: the split no longer holds
     finder.allocate(net.a)

@@ -71,6 +71,7 @@ class DirectReader:
         """Lookups the last read made: a region each for a kept split's check (0 when the
         allocator vouched for every region), or a tensor each for a fresh split."""
         self._kept: _Kept | None = None  # the last version's split, reused while it holds
+        self._pairs = 0  # tensors the last version read had
 
     def _persistent(self, name: str, tensor: torch.Tensor) -> bool:
         if self.chosen is True:
@@ -116,8 +117,8 @@ class DirectReader:
         (whose planning could wait on values or copy a tensor).
         """
         kept = self._kept
-        if kept is None or not kept.direct or len(kept.ids) > LOOP_TENSORS:
-            return None  # nothing direct: bucket 1 is to pack, in the reading thread
+        if kept is None or not kept.direct or self._pairs > LOOP_TENSORS:
+            return None  # nothing direct (bucket 1 is to pack), or a large version
         if isinstance(source, torch.nn.Module):
             source = module_tensors(source)
         pairs = visible_pairs(source)
@@ -161,6 +162,7 @@ class DirectReader:
         """
         packed.extend(kept.chosen[i] for i in kept.packed)
         self.note = kept.note
+        self._pairs = len(pairs)
         rest = read_source(packed, None, capacity, max_items, planner)
         if not kept.direct:
             return rest
