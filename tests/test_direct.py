@@ -331,7 +331,7 @@ def test_an_engine_refuses_a_version_whose_region_lies_and_says_why(
     """End to end: regions whose sizes do not add up to the bucket fail the version."""
     import aiosync.trainer.direct as reader_module
 
-    honest = reader_module._plans
+    honest = reader_module.direct_plans
 
     def lying(*args: object) -> object:
         plans, metas, moved = honest(*args)  # type: ignore[arg-type]
@@ -339,7 +339,7 @@ def test_an_engine_refuses_a_version_whose_region_lies_and_says_why(
             plan.regions = [ShmHandle(r.name, r.size + 4096) for r in plan.regions]  # type: ignore[union-attr]
         return plans, metas, moved
 
-    monkeypatch.setattr(reader_module, "_plans", lying)
+    monkeypatch.setattr(reader_module, "direct_plans", lying)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     with share_tensors(model):

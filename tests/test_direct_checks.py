@@ -298,15 +298,15 @@ def test_direct_buckets_are_planned_again_when_the_engines_bound_on_tensors_drop
 def test_regions_past_half_the_engines_bounds_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine keeps the last version's regions open while it opens the next one's: a
     version reads at most half its bounds directly, and packs the rest (saying why)."""
-    import aiosync.trainer.direct as direct
+    import aiosync.trainer.direct_plans as direct_plans
 
     net, _, reader = setup()
-    monkeypatch.setattr(direct, "OPEN_REGIONS", 2)
+    monkeypatch.setattr(direct_plans, "OPEN_REGIONS", 2)
     assert len(read(reader, net)) == 2
     assert "past the engines' bound on open regions (1)" in reader.note
     by_bytes = setup()
-    monkeypatch.setattr(direct, "OPEN_REGIONS", 8)
-    monkeypatch.setattr(direct, "OPEN_BYTES", by_bytes[0].a.nbytes)
+    monkeypatch.setattr(direct_plans, "OPEN_REGIONS", 8)
+    monkeypatch.setattr(direct_plans, "OPEN_BYTES", by_bytes[0].a.nbytes)
     assert len(read(by_bytes[2], by_bytes[0])) == 1
     assert "past the engines' bound on open regions (2)" in by_bytes[2].note
 

@@ -118,11 +118,11 @@ def thread_read(flags: list[str]) -> None:
 def regions_per_bucket(flags: list[str]) -> None:
     """Direct buckets of up to 1024 regions with flag ``w``, else the library's default."""
     from aiosync.planes.direct import MAX_REGIONS_PER_BUCKET
-    from aiosync.trainer import direct
+    from aiosync.trainer import direct_plans
 
-    default = getattr(direct, "_DEFAULT_REGIONS", direct.REGIONS_PER_BUCKET)
-    direct._DEFAULT_REGIONS = default  # type: ignore[attr-defined]
-    direct.REGIONS_PER_BUCKET = MAX_REGIONS_PER_BUCKET if "w" in flags else default
+    default = getattr(direct_plans, "_DEFAULT_REGIONS", direct_plans.REGIONS_PER_BUCKET)
+    direct_plans._DEFAULT_REGIONS = default  # type: ignore[attr-defined]
+    direct_plans.REGIONS_PER_BUCKET = MAX_REGIONS_PER_BUCKET if "w" in flags else default
 
 
 def direct_for(

@@ -7,9 +7,8 @@ collection of names, exactly those names. Everything else (casts, gathered tenso
 tensors in memory without a legacy handle) is packed in the same version, and
 :attr:`DirectReader.note` says how much was packed that was asked to go direct, and why.
 
-Direct buckets come first (engines copy them while the trainer packs the rest); each spans
-at most :data:`~aiosync.planes.direct.MAX_REGIONS_PER_BUCKET` regions (fewer by default,
-:data:`REGIONS_PER_BUCKET`) and the engine's tensor bound.
+Direct buckets come first (engines copy them while the trainer packs the rest); how they
+are cut is :mod:`aiosync.trainer.direct_plans`.
 
 The split is kept across versions while the chosen tensors are the same objects at the same
 addresses, dtypes, shapes and strides and every region still holds them. That last check is a lookup
@@ -27,25 +26,14 @@ from typing import Any
 
 import torch
 
-from aiosync.core.layout import _DTYPE_NAMES, TensorSpec, calculate_aligned_size
+from aiosync.core.layout import _DTYPE_NAMES, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta, module_tensors, unique_storage, visible_pairs
 from aiosync.core.planning import Planner, VersionSource, read_source
-from aiosync.core.wire import Region
-from aiosync.planes.direct import (
-    DIRECT_BYTES,
-    MAX_OPEN_REGIONS,
-    DirectPlan,
-    DirectSenderPlane,
-)
+from aiosync.planes.direct import DIRECT_BYTES, DirectPlan, DirectSenderPlane
 from aiosync.planes.direct_regions import RegionFinder, Spot
 from aiosync.planes.shared_tensors import find_shared
+from aiosync.trainer.direct_plans import direct_plans, distinct, within_bounds
 
-REGIONS_PER_BUCKET = 64
-"""Regions a sender puts in one direct bucket."""
-OPEN_REGIONS = MAX_OPEN_REGIONS // 2
-"""Regions one version reads directly at most (the rest is packed; see ``_within_bounds``)."""
-OPEN_BYTES = DIRECT_BYTES // 2
-"""Bytes of regions one version reads directly at most."""
 LOOP_TENSORS = 1024
 """Tensors up to which a kept split is checked on the sender's event loop (about 0.3 ms
 for Llama-3-8B's 291 on the H200 host; :meth:`DirectReader.read_kept`)."""
@@ -169,7 +157,7 @@ class DirectReader:
         first = len(rest.manifest) if rest.manifest is not None else None
         if kept.plans is None or (kept.first, kept.max_items) != (first, max_items):
             kept.first, kept.max_items = first, max_items  # the engines' bound may change
-            kept.plans = _plans(kept.direct, first, max_items, self.plane.count)
+            kept.plans = direct_plans(kept.direct, first, max_items, self.plane.count)
             kept.manifests = None
         plans, metas, moved = kept.plans
         self.direct_bytes = moved
@@ -197,9 +185,9 @@ class DirectReader:
                 at[id(tensor)] = i
                 direct.append((name, tensor, spot))
         overlapping: list[tuple[str, Any]] = []
-        direct = _distinct(direct, overlapping)
+        direct = distinct(direct, overlapping)
         beyond: list[tuple[str, Any]] = []
-        direct = _within_bounds(direct, beyond)
+        direct = within_bounds(direct, beyond)
         if beyond:
             refused["past the engines' bound on open regions"] += len(beyond)
             refused_bytes += sum(tensor.nbytes for _, tensor in beyond)
@@ -308,105 +296,3 @@ class _Kept:
             return False
         self.mark = mark
         return True
-
-
-def _distinct(
-    direct: list[tuple[str, torch.Tensor, Spot]], packed: list[tuple[str, Any]]
-) -> list[tuple[str, torch.Tensor, Spot]]:
-    """``direct`` by region and address; a tensor overlapping an earlier one goes to ``packed``.
-
-    (A module's own tensors never overlap: ``unique_storage`` made tied ones one.)
-    """
-    groups: dict[object, list[tuple[str, torch.Tensor, Spot]]] = {}
-    for item in direct:
-        groups.setdefault(item[2].key, []).append(item)
-    out: list[tuple[str, torch.Tensor, Spot]] = []
-    for group in groups.values():
-        group.sort(key=lambda item: item[2].offset)
-        end = 0
-        for name, tensor, spot in group:
-            if spot.offset < end:
-                packed.append((name, tensor))
-                continue
-            end = spot.offset + tensor.nbytes
-            out.append((name, tensor, spot))
-    return out
-
-
-def _within_bounds(
-    direct: list[tuple[str, torch.Tensor, Spot]], packed: list[tuple[str, Any]]
-) -> list[tuple[str, torch.Tensor, Spot]]:
-    """``direct`` within half an engine's bounds on open regions; the rest to ``packed``.
-
-    An engine keeps the regions of the last version open while it opens the next
-    version's, so a version whose regions all moved needs room for both: half of
-    :data:`~aiosync.planes.direct.MAX_OPEN_REGIONS` regions and of
-    :data:`~aiosync.planes.direct.DIRECT_BYTES`. Regions are taken in the order met.
-    """
-    taken: set[object] = set()
-    left: set[object] = set()
-    held = 0
-    out: list[tuple[str, torch.Tensor, Spot]] = []
-    for name, tensor, spot in direct:
-        key = spot.key
-        if key not in taken and key not in left:
-            size = spot.region.size
-            if len(taken) < OPEN_REGIONS and held + size <= OPEN_BYTES:
-                taken.add(key)
-                held += size
-            else:
-                left.add(key)
-        if key in taken:
-            out.append((name, tensor, spot))
-        else:
-            packed.append((name, tensor))
-    return out
-
-
-def _plans(
-    direct: list[tuple[str, torch.Tensor, Spot]],
-    first: int | None,
-    max_items: int,
-    buffer: int,
-) -> tuple[list[DirectPlan], list[TensorMeta], int]:
-    """Direct buckets of ``direct``, their manifest entries and their bytes.
-
-    ``direct`` is distinct and by region and address; entries are numbered from ``first``
-    (None: no manifest). A region with more tensors than a bucket may hold spans several buckets.
-    """
-    by_region: dict[object, tuple[Region, list[tuple[str, torch.Tensor, int]]]] = {}
-    for name, tensor, spot in direct:
-        by_region.setdefault(spot.key, (spot.region, []))[1].append((name, tensor, spot.offset))
-    plans: list[DirectPlan] = []
-    metas: list[TensorMeta] = []
-    plan = DirectPlan(whole=0, payload=0, buffer=buffer)
-    moved = 0
-    for region, items in by_region.values():
-        aligned = calculate_aligned_size(region.size)
-        for at in range(0, len(items), max_items):
-            chunk = items[at : at + max_items]
-            if plan.regions and (
-                len(plan.regions) >= REGIONS_PER_BUCKET
-                or plan.used + aligned > DIRECT_BYTES
-                or len(plan.specs) + len(chunk) > max_items
-            ):
-                plans.append(plan)
-                plan = DirectPlan(whole=0, payload=0, buffer=buffer)
-            start = plan.used
-            plan.regions.append(region)
-            for name, tensor, offset in chunk:
-                nbytes = tensor.nbytes
-                meta = TensorMeta(name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
-                if first is not None:
-                    plan.entries.append(first + len(metas))
-                metas.append(meta)
-                plan.tensors.append(tensor)
-                spec = TensorSpec(meta.name, meta.dtype, meta.shape, start + offset, nbytes)
-                plan.specs.append(spec)
-                plan.whole += 1
-                plan.payload += nbytes
-                moved += nbytes
-            plan.used = start + aligned
-    if plan.regions:
-        plans.append(plan)
-    return plans, metas, moved
