@@ -370,7 +370,7 @@ def test_prune_lets_go_of_what_the_last_version_did_not_ask_for(
     assert not copies._seen
 
 
-def test_a_copy_graph_needs_a_chain_for_each_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_graph_needs_a_chain_for_each_copy() -> None:
     from aiosync.planes import cuda_graphs
 
     with pytest.raises(ValueError, match="2 chains given for 3 copies"):

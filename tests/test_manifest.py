@@ -565,3 +565,39 @@ def test_module_tensors_are_what_torch_lists_and_state_dict_keeps(make: Any) -> 
     got = module_tensors(model)
     assert list(got) == list(expected)
     assert all(got[name] is tensor for name, tensor in expected.items())
+
+
+class Wrapped(nn.Module):
+    """Lists its tensors without its wrapper's prefix, as FSDP's full-parameter view does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wrapped = TiedLM()
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        for name, tensor in super().named_parameters(*args, **kwargs):
+            yield name.removeprefix("_wrapped."), tensor
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        for name, tensor in super().named_buffers(*args, **kwargs):
+            yield name.removeprefix("_wrapped."), tensor
+
+
+def test_module_tensors_of_a_module_that_lists_its_tensors_its_own_way() -> None:
+    model = Wrapped()
+    tensors = module_tensors(model)
+    assert list(tensors) == list(module_tensors(model._wrapped))  # the names it gives
+    assert tensors["steps"] is model._wrapped.steps
+    assert "rope_cache" not in tensors  # registered persistent=False
+
+
+def test_module_tensors_persistence_is_how_a_buffer_was_registered() -> None:
+    """``state_dict`` (and its hooks) is not consulted: under FSDP it is a collective."""
+    model = TiedLM()
+
+    def drop_steps(module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
+        del state[prefix + "steps"]
+
+    model._register_state_dict_hook(drop_steps)
+    assert "steps" not in model.state_dict()
+    assert "steps" in module_tensors(model)

@@ -50,12 +50,18 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a module's version consists of: its parameters and persistent buffers, by name.
 
     In ``named_parameters`` order, then ``named_buffers`` order less the buffers
-    registered ``persistent=False`` (those ``state_dict`` leaves out); a parameter or
-    buffer reached twice (tied parameters, a shared submodule) appears once, under its
-    first name, as those functions list it. One walk
-    of the module tree, not three (``state_dict`` as well): about 0.4 ms instead of 1.4 ms
-    for a 32-layer model of 291 tensors, paid each version a module is sent.
+    registered ``persistent=False``; a parameter or buffer reached twice (tied parameters,
+    a shared submodule) appears once, under its first name, as those functions list it.
+    Persistence is what the buffer was registered with: ``state_dict`` is not called (its
+    hooks are not consulted, and under FSDP it is a collective). One walk of the module
+    tree instead of three: about 0.4 ms instead of 1.4 ms for a 32-layer model of 291
+    tensors, paid each version a module is sent. A module whose class lists its tensors
+    its own way (overrides ``named_parameters``, ``named_buffers`` or ``named_modules``,
+    as FSDP's full-parameter view does to strip its prefixes) is asked through those.
     """
+    kind = type(module)
+    if any(getattr(kind, f) is not getattr(torch.nn.Module, f) for f in _LISTINGS):
+        return _listed_tensors(module)
     modules = list(module.named_modules())
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -72,6 +78,28 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
                 seen.add(id(buffer))
                 if name not in skipped:
                     tensors[f"{prefix}.{name}" if prefix else name] = buffer
+    return tensors
+
+
+_LISTINGS = ("named_parameters", "named_buffers", "named_modules")
+
+
+def _listed_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`module_tensors` through the module's own listings.
+
+    Their names may not be the tree's, so a buffer registered ``persistent=False`` is
+    known by identity.
+    """
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
+    skipped = {
+        id(buffer)
+        for sub in module.modules()
+        for name, buffer in sub._buffers.items()
+        if name in sub._non_persistent_buffers_set
+    }
+    for name, buffer in module.named_buffers():
+        if id(buffer) not in skipped:
+            tensors[name] = buffer
     return tensors
 
 
