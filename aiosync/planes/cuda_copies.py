@@ -102,8 +102,7 @@ def hint_scope() -> Iterator[None]:
     """Run one bucket's work with no copy hint left from before, and leave none behind.
 
     A hint (:func:`wait_gate`, :func:`one_stream_next`, :func:`graph_next`) that no batch
-    took (a sink that
-    copies with torch, a skipped bucket, an error) goes with the scope.
+    took (a sink that copies with torch, a skipped bucket, an error) goes with the scope.
     """
     _forget_hints()
     try:

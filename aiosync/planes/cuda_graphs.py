@@ -1,14 +1,13 @@
 """A batch of device copies as one CUDA graph: built once, launched with one call.
 
-Where the same copies recur every version (an engine's copy program for a kept layout, a
-direct bucket's reads of a trainer's regions), queueing them one ``cudaMemcpyAsync`` at a
-time costs host time per copy, and on one stream each copy waits for the last wave of
-the one before it. A :class:`CopyGraph` holds the copies as memcpy nodes of one graph,
-in chains (each copy's chain given; each chain in order, the chains independent of each
-other; none given: every copy independent), and queues all of them with one
-``cudaGraphLaunch``. To other
-work on the stream it is launched on, the graph is one step: it starts after what was
-queued before and what is queued after starts after all of it.
+Where the same copies recur every version (a direct bucket's reads of a trainer's
+regions), queueing them one ``cudaMemcpyAsync`` at a time costs host time per copy, and on
+one stream each copy waits for the last wave of the one before it. A :class:`CopyGraph`
+holds the copies as memcpy nodes of one graph, in chains (each copy's chain given; each
+chain in order, the chains independent of each other; none given: every copy
+independent), and queues all of them with one ``cudaGraphLaunch``. To other work on the
+stream it is launched on, the graph is one step: it starts after what was queued before
+and what is queued after starts after all of it.
 
 The addresses are fixed when the graph is built: the owner makes another when they change.
 A graph is destroyed by :meth:`CopyGraph.close` or when it is garbage (a launch still in
