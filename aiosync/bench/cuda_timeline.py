@@ -100,7 +100,6 @@ def engine(args: argparse.Namespace) -> None:
                     inline.clear()
                     inline.update(["_apply"] if "i" in mode else [])
                     receiver._polled = None if "p" in mode else polled
-                    sys.setswitchinterval(1e-4 if "x" in mode else 5e-3)
                     if polled is not None:
                         polled[0].busy_poll = 0.0
                     _say({"mode": sorted(mode)})
@@ -261,10 +260,9 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     stream, ``g`` spreads them without gates; ``d`` / ``f``: direct mode, one region a
     tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
     ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
-    batch of copies copy by copy (no CUDA graphs); ``p``: neither side busy-polls its socket;
-    ``x``: both processes switch threads every 0.1 ms (``sys.setswitchinterval``), not 5 ms.
+    batch of copies copy by copy (no CUDA graphs); ``p``: neither side busy-polls its socket.
     """
-    shape = variant.rstrip("iodfsgwtnpx")
+    shape = variant.rstrip("iodfsgwtnp")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -314,7 +312,6 @@ def trainer(args: argparse.Namespace) -> None:
             timeline_switches.regions_per_bucket(flags)
             timeline_switches.thread_read(flags)
             busy_poll = 0.0 if "p" in flags else None
-            sys.setswitchinterval(1e-4 if "x" in flags else 5e-3)
             times, stall = run(
                 functools.partial(
                     _native, model, endpoint, args, shape, args.repeats + 1, None, source, busy_poll
