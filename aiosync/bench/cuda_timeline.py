@@ -10,8 +10,7 @@ by-address copies, one in ``s`` queues them on one stream, not two, and one in `
 them without gates (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
 (the engine copies out of this process's tensors, each its own region: an allocation on
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
-tensors as views of one allocation or segment); ``p`` turns busy polling off on both sides
-(:mod:`aiosync.channels.busy_poll`). It then streams ``--traced`` more versions of
+tensors as views of one allocation or segment). It then streams ``--traced`` more versions of
 the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
 On CUDA the same run measures the floors (one flat device copy; every tensor into
@@ -84,7 +83,6 @@ def engine(args: argparse.Namespace) -> None:
 
     async def serve() -> None:
         async with WeightReceiver(sink) as receiver:
-            polled = receiver._polled
             _say({"endpoint": receiver.endpoint})
             while True:
                 words = (await anyio.to_thread.run_sync(sys.stdin.readline)).split()
@@ -94,14 +92,11 @@ def engine(args: argparse.Namespace) -> None:
                 if words[0] == "start":
                     rec.start()
                     _say({"started": True})
-                elif words[0] == "mode":  # the variant flags (see _variant)
+                elif words[0] == "mode":  # i: apply on the loop; o, s, g: the old copies
                     mode.clear()
                     mode.update(words[1:])
                     inline.clear()
                     inline.update(["_apply"] if "i" in mode else [])
-                    receiver._polled = None if "p" in mode else polled
-                    if polled is not None:
-                        polled[0].busy_poll = 0.0
                     _say({"mode": sorted(mode)})
                 elif words[0] == "dump":
                     _say({"marks": rec.dump()})
@@ -203,7 +198,6 @@ async def _native(
     versions: int,
     before: Any = None,
     source: dict[str, torch.Tensor] | None = None,
-    busy_poll: float | None = None,
 ) -> tuple[list[float], float]:
     """``versions`` sends through ``variant``'s buffers: each one's seconds, longest stall.
 
@@ -213,9 +207,7 @@ async def _native(
 
     count, mb = (int(x) for x in variant.split("x"))
     direct = source is not None
-    config = SenderConfig(
-        buffer_bytes=mb * MiB, num_buffers=count, timeout=30.0, direct=direct, busy_poll=busy_poll
-    )
+    config = SenderConfig(buffer_bytes=mb * MiB, num_buffers=count, timeout=30.0, direct=direct)
     sent = model if source is None else source
     times: list[float] = []
     stall = 0.0
@@ -260,9 +252,9 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     stream, ``g`` spreads them without gates; ``d`` / ``f``: direct mode, one region a
     tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
     ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
-    batch of copies copy by copy (no CUDA graphs); ``p``: neither side busy-polls its socket.
+    batch of copies copy by copy (no CUDA graphs).
     """
-    shape = variant.rstrip("iodfsgwtnp")
+    shape = variant.rstrip("iodfsgwtn")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -311,10 +303,9 @@ def trainer(args: argparse.Namespace) -> None:
             source = timeline_switches.direct_for(model, flags, sources)
             timeline_switches.regions_per_bucket(flags)
             timeline_switches.thread_read(flags)
-            busy_poll = 0.0 if "p" in flags else None
             times, stall = run(
                 functools.partial(
-                    _native, model, endpoint, args, shape, args.repeats + 1, None, source, busy_poll
+                    _native, model, endpoint, args, shape, args.repeats + 1, None, source
                 )
             )
             out[variant] = {

@@ -18,7 +18,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from aiosync.channels.busy_poll import poll_briefly
 from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq_common import (
     CLOSE_LINGER_MS,
@@ -65,11 +64,7 @@ class ZmqChannel:
 
     A REQ socket allows one message awaiting its reply (``window`` 1) and no unasked
     messages; after a failure its state is unknown and the caller must replace it.
-    ``busy_poll``: seconds a DEALER's :meth:`recv` polls without sleeping before it waits
-    on the socket (:mod:`aiosync.channels.busy_poll`); settable.
     """
-
-    busy_poll: float
 
     def __init__(
         self,
@@ -92,7 +87,6 @@ class ZmqChannel:
             self._monitor = socket.get_monitor_socket(events)
             self._poller.register(self._monitor, zmq.POLLIN)
         self._errors = _zmq_error(endpoint)
-        self.busy_poll = 0.0
 
     @classmethod
     def connect(cls, endpoint: str, *, auth: ChannelAuth | None = None) -> ZmqChannel:
@@ -162,9 +156,9 @@ class ZmqChannel:
 
         A refused handshake (a key the server does not allow, a wrong server key, keys on
         one side only) is an :class:`AiosyncError` saying so, as soon as it happens. A
-        message already waiting, or arriving within ``busy_poll`` seconds, is taken without
-        the poller (about 80 µs less per message: acks of pipelined messages are often
-        there already); the socket's monitor is read whenever none is.
+        message already waiting is taken without polling (about 80 µs less per message:
+        acks of pipelined messages are often there already); the socket's monitor is
+        read whenever none is.
         """
         with map_exceptions(self._errors):
             while True:
@@ -177,9 +171,12 @@ class ZmqChannel:
                         raise PeerGoneError("peer disconnected", peer=self._endpoint) from None
                     return bytes(frames[-1])
                 if self._window is None:  # a DEALER: a message already waiting needs no poll
-                    waiting = await poll_briefly(self._socket, self.busy_poll)
-                    if waiting is not None:
-                        return waiting[-1]
+                    try:
+                        frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                    else:
+                        return bytes(frames[-1])
                 ready = dict(await self._poller.poll())
                 if self._socket in ready:
                     frames = await self._socket.recv_multipart()

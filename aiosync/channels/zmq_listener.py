@@ -26,7 +26,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from aiosync.channels.busy_poll import poll_briefly, readable
 from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq_common import (
     CLOSE_LINGER_MS,
@@ -153,8 +152,7 @@ class ZmqListener:
 
     ``auth`` gives the keypair and the allowed client keys (CURVE), or allows plain tcp on
     loopback; ``send_hwm`` bounds the replies queued per peer; ``max_message_bytes``, if
-    given, makes libzmq disconnect a peer that sends a larger message. :attr:`busy_poll`
-    makes :meth:`accept` poll without sleeping for a while before it waits on the socket.
+    given, makes libzmq disconnect a peer that sends a larger message.
     """
 
     def __init__(
@@ -168,8 +166,6 @@ class ZmqListener:
     ) -> None:
         self._private_dir = private_dir
         self._errors = _zmq_error(endpoint)
-        self._busy_poll = 0.0
-        self._sleeping: anyio.CancelScope | None = None  # accept's wait on the socket
         self._closed = True  # until bound
         try:
             keys = curve_keys(endpoint, auth, binding=True)
@@ -252,21 +248,6 @@ class ZmqListener:
         return self._endpoint
 
     @property
-    def busy_poll(self) -> float:
-        """Seconds :meth:`accept` polls without sleeping (:mod:`aiosync.channels.busy_poll`).
-
-        0 at first. Setting it above 0 wakes an :meth:`accept` already asleep on the
-        socket, so it takes effect from the next message on.
-        """
-        return self._busy_poll
-
-    @busy_poll.setter
-    def busy_poll(self, seconds: float) -> None:
-        self._busy_poll = seconds
-        if seconds > 0 and self._sleeping is not None:
-            self._sleeping.cancel()
-
-    @property
     def curve(self) -> bool:
         """True when peers must authenticate with an allowed CURVE key."""
         return self._zap is not None
@@ -279,21 +260,13 @@ class ZmqListener:
         """
         with map_exceptions(self._errors):
             while True:
-                if self._zap is not None and readable(self._zap):
-                    await self._answer_zap()  # not starved by a busy stream's messages
-                frames = await poll_briefly(self._socket, self.busy_poll)
-                if frames is None and self._zap is not None:
+                if self._zap is not None:
                     ready = dict(await self._poller.poll())
                     if self._zap in ready:
                         await self._answer_zap()
                     if self._socket not in ready:
                         continue
-                if frames is None:
-                    with anyio.CancelScope() as self._sleeping:  # see busy_poll's setter
-                        frames = await self._socket.recv_multipart()
-                    self._sleeping = None
-                    if frames is None:
-                        continue
+                frames = await self._socket.recv_multipart()
                 # [identity, payload] from a DEALER; [identity, b"", payload] from a REQ
                 delimited = len(frames) == 3 and not frames[1]
                 if len(frames) != 2 and not delimited:

@@ -40,10 +40,6 @@ class ReceiverConfig:
       and kept in ``failures``; the weights stay as they were) and the sender is not told.
       The engine takes no message from any sender until the swap is done, so a sender's
       next version waits for it: keep senders' timeouts above ``swap_timeout``.
-
-    ``busy_poll``: while a version streams here, the receiver polls its socket without
-    sleeping for up to this many seconds before it waits (:mod:`aiosync.channels.busy_poll`);
-    None (default): 20 ms when the sink is on a GPU, 0 (always sleep) on the CPU.
     """
 
     stream_timeout: float = 60.0
@@ -52,13 +48,10 @@ class ReceiverConfig:
     swap_timeout: float = 30.0
     limits: Limits = field(default_factory=Limits)
     ack_at: AckAt = "live"
-    busy_poll: float | None = None
 
     def __post_init__(self) -> None:
         timeouts = (self.stream_timeout, self.session_timeout, self.reply_timeout)
         if min(*timeouts, self.swap_timeout) <= 0:
             raise ValueError("receiver timeouts must be positive")
-        if self.busy_poll is not None and self.busy_poll < 0:
-            raise ValueError(f"busy_poll must be at least 0, got {self.busy_poll}")
         if self.ack_at not in ACK_AT:
             raise ValueError(f"ack_at must be one of {ACK_AT}, got {self.ack_at!r}")

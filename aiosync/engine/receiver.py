@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -54,9 +53,6 @@ from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
 from aiosync.planes.cuda_order import ordered_apply, receive_through_plane, with_plane_events
 from aiosync.runtime import require_asyncio
-
-if TYPE_CHECKING:
-    from aiosync.channels.zmq import ZmqListener
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +96,6 @@ class WeightReceiver:
         self._leases = LeaseGate()
         self._swapper = Swapper(sink, self._leases, self.config, self._limiter)
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._polled: tuple[ZmqListener, float] | None = None  # our listener, its busy poll
 
     # --- what an engine reads -------------------------------------------------------
 
@@ -203,7 +198,6 @@ class WeightReceiver:
             limits=self.config.limits,
         )
         if isinstance(self._endpoint, str | None):
-            from aiosync.channels.busy_poll import resolve_busy_poll
             from aiosync.channels.zmq import ZmqListener
 
             self._listener = ZmqListener.open(
@@ -211,9 +205,6 @@ class WeightReceiver:
                 auth=self._auth,
                 max_message_bytes=self.config.limits.max_message_bytes,
             )
-            cuda = self.sink.device.type == "cuda"
-            budget = resolve_busy_poll(self.config.busy_poll, cuda)
-            self._polled = (self._listener, budget) if budget else None
         else:
             self._listener = self._endpoint
         inbox_tx, inbox_rx = anyio.create_memory_object_stream[tuple[Peer, bytes]](INBOX)
@@ -278,13 +269,6 @@ class WeightReceiver:
                 if item is not None:
                     await self._perform(await self._decide(*item), also=item[0])
                 await self._perform(machine.expire(time.monotonic()))
-                self._poll_while_streaming()
-
-    def _poll_while_streaming(self) -> None:
-        """Let our ZMQ listener poll without sleeping only while a version streams here."""
-        if self._polled is not None:
-            listener, budget = self._polled
-            listener.busy_poll = budget if self._session.owner is not None else 0.0
 
     async def _decide(self, peer: Peer, payload: bytes) -> list[Action]:
         """Decode and hand to the session.

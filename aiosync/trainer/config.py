@@ -25,9 +25,6 @@ class SenderConfig:
     ``direct`` (direct mode, :mod:`aiosync.trainer.direct`): engines read persistent
     tensors in the trainer's memory (``True``: parameters and tensors placed by
     :func:`aiosync.share_tensors`; or a collection of names) and the rest is packed.
-    ``busy_poll``: seconds each wait for an engine's reply polls the socket without
-    sleeping before it sleeps (:mod:`aiosync.channels.busy_poll`); None (default): 20 ms
-    with a CUDA data plane, 0 (always sleep) with shared memory.
     """
 
     buffer_bytes: int = 128 * MiB
@@ -38,7 +35,6 @@ class SenderConfig:
     policy: Policy | str = Policy.ALL
     check_snapshot: bool = False
     direct: bool | Collection[str] = False
-    busy_poll: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.direct, bool):
@@ -47,8 +43,6 @@ class SenderConfig:
             raise ValueError("num_buffers must be at least 1")
         if self.buffer_bytes < ALIGNMENT:
             raise ValueError(f"buffer_bytes must be at least {ALIGNMENT}")
-        if self.busy_poll is not None and self.busy_poll < 0:
-            raise ValueError(f"busy_poll must be at least 0, got {self.busy_poll}")
         if self.timeout <= 0 or self.keepalive <= 0:
             raise ValueError("timeout and keepalive must be positive")
         object.__setattr__(self, "policy", Policy(self.policy))

@@ -182,13 +182,9 @@ class WeightSender:
         if self._sending:
             raise UsageError("engines may be added only between versions")
         if isinstance(target, str):
-            from aiosync.channels.busy_poll import resolve_busy_poll
             from aiosync.channels.zmq import ZmqChannel
 
-            zmq_channel = ZmqChannel.connect(target, auth=self._auth)
-            cuda = self.device.type == "cuda"
-            zmq_channel.busy_poll = resolve_busy_poll(self.config.busy_poll, cuda)
-            channel: Channel = zmq_channel
+            channel: Channel = ZmqChannel.connect(target, auth=self._auth)
             owned = True
         else:
             channel, owned = target, False
