@@ -225,6 +225,9 @@ def trainer_hooks(rec: Recorder) -> None:
     if hasattr(stream.StreamRun, "_complete_and_commit"):  # commit sent with the complete
         mark_phase(rec, stream.StreamRun, "_complete_and_commit", "complete")
     mark_phase(rec, stream.StreamRun, "_commit", "commit")
+    mark_phase(rec, fanout.BucketFanout, "_encoded", "encoded")
+    mark_phase(rec, fanout.BucketFanout, "_ack_loop", "ackloop")
+    mark_phase(rec, links.EngineLink, "_recv", "linkrecv")
 
 
 def engine_hooks(rec: Recorder, sink: Any) -> None:
@@ -282,6 +285,8 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
         rec.mark("sinkcommit1")
 
     _wrap(receiver, "decode", decode)
+    mark_phase(rec, receiver.WeightReceiver, "_decide", "decide")
+    mark_phase(rec, receiver.WeightReceiver, "_do", "do")
     _wrap(receiver.WeightReceiver, "_apply", apply)
     _wrap(receiver.WeightReceiver, "_reply", reply)
     sink.apply_bucket = apply_bucket

@@ -16,6 +16,9 @@ from aiosync.bench.timeline_hooks import Mark
 EARLY_MS = 3.0
 """A timeline lists every mark of this many first ms of the version (where the start goes)."""
 
+TAIL_MS = 1.5
+"""... and of this many last ms, up to the send's return (where the end goes)."""
+
 PHASES = [
     ("T", "read0"),
     ("T", "read1"),
@@ -87,6 +90,17 @@ def timeline(
         if ver == version and 0 <= when - t0 <= EARLY_MS * 1e6
     ]
     view["start"].sort(key=lambda mark: mark[1])
+    end = marks.get(("T send1", None))
+    if end is not None:  # and every mark of its last TAIL_MS (where the end goes)
+        view["end"] = sorted(
+            (
+                (side + " " + kind, round((when - t0) / 1e6, 3), seq)
+                for side, records in (("T", trainer), ("E", engine))
+                for when, kind, ver, seq in records
+                if ver == version and end - TAIL_MS * 1e6 <= when <= end
+            ),
+            key=lambda mark: mark[1],
+        )
     if not columns:
         view["summary"] = _summary(rows)
     return view
@@ -139,9 +153,10 @@ def render(view: dict[str, Any]) -> str:
     for row in view["rows"]:
         lines.append(" ".join(f"{'-' if v is None else v:>9}" for v in row))
     lines.append("phases: " + ", ".join(f"{k} {v}" for k, v in view["phases"].items()))
-    if view.get("start"):
-        marks = (f"{k}{'' if q is None else f'[{q}]'} {t}" for k, t, q in view["start"])
-        lines.append("start: " + ", ".join(marks))
+    for part in ("start", "end"):
+        if view.get(part):
+            marks = (f"{k}{'' if q is None else f'[{q}]'} {t}" for k, t, q in view[part])
+            lines.append(f"{part}: " + ", ".join(marks))
     if "summary" in view:
         lines.append("summary: " + ", ".join(f"{k} {v}" for k, v in view["summary"].items()))
     return "\n".join(lines)
