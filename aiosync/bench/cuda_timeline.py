@@ -10,7 +10,8 @@ by-address copies, one in ``s`` queues them on one stream, not two, and one in `
 them without gates (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
 (the engine copies out of this process's tensors, each its own region: an allocation on
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
-tensors as views of one allocation or segment). It then streams ``--traced`` more versions of
+tensors as views of one allocation or segment); ``e`` sends each ``begin`` after the read,
+not before it (:mod:`aiosync.pipeline.early_begin`). It then streams ``--traced`` more versions of
 the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
 On CUDA the same run measures the floors (one flat device copy; every tensor into
@@ -252,9 +253,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     stream, ``g`` spreads them without gates; ``d`` / ``f``: direct mode, one region a
     tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
     ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
-    batch of copies copy by copy (no CUDA graphs).
+    batch of copies copy by copy (no CUDA graphs); ``e`` sends each ``begin`` after the read
+    (no early begin).
     """
-    shape = variant.rstrip("iodfsgwtn")
+    shape = variant.rstrip("iodfsgwtne")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -303,6 +305,7 @@ def trainer(args: argparse.Namespace) -> None:
             source = timeline_switches.direct_for(model, flags, sources)
             timeline_switches.regions_per_bucket(flags)
             timeline_switches.thread_read(flags)
+            timeline_switches.late_begin(flags)
             times, stall = run(
                 functools.partial(
                     _native, model, endpoint, args, shape, args.repeats + 1, None, source
@@ -331,6 +334,7 @@ def trainer(args: argparse.Namespace) -> None:
         traced = timeline_switches.direct_for(model, flags, sources)
         timeline_switches.regions_per_bucket(flags)
         timeline_switches.thread_read(flags)
+        timeline_switches.late_begin(flags)
         run(lambda: _native(model, endpoint, args, shape, total, start, traced))
         trainer_marks = rec.dump()
         engine_marks = command("dump")["marks"]

@@ -199,6 +199,15 @@ def trainer_hooks(rec: Recorder) -> None:
 
         return wrapped
 
+    def begin_early(orig: Any) -> Any:  # the begin sent before the read
+        async def wrapped(*args: Any) -> Any:
+            early = await orig(*args)
+            if early is not None:
+                rec.mark("sent", 0)
+            return early
+
+        return wrapped
+
     def recv_ack(orig: Any) -> Any:
         async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
             ack = await orig(self, *args, **kwargs)
@@ -217,6 +226,7 @@ def trainer_hooks(rec: Recorder) -> None:
     _wrap(ahead, "pack_plan", pack_ahead)
     _wrap(fanout.BucketFanout, "_send_one", send_one)
     _wrap(links.EngineLink, "recv_ack", recv_ack)
+    _wrap(sender, "begin_early", begin_early)
     _wrap(stream.StreamRun, "__init__", stream_init)
     mark_phase(rec, stream.StreamRun, "run", "stream")
     mark_phase(rec, fanout.BucketFanout, "run", "fanout")

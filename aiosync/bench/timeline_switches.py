@@ -115,6 +115,22 @@ def thread_read(flags: list[str]) -> None:
     WeightSender._read_here = (lambda *_: None) if "t" in flags else own  # type: ignore[method-assign]
 
 
+def late_begin(flags: list[str]) -> None:
+    """With flag ``e``, a sender sends every ``begin`` after the read, as before.
+
+    (No :mod:`~aiosync.pipeline.early_begin` guess from the last version's manifest.)
+    """
+    from aiosync.trainer.sender import WeightSender
+
+    own = getattr(WeightSender, "_own_begin_early", WeightSender._begin_early)
+    WeightSender._own_begin_early = own  # type: ignore[attr-defined]
+
+    async def never(*_: Any) -> None:
+        return None
+
+    WeightSender._begin_early = never if "e" in flags else own  # type: ignore[method-assign,assignment]
+
+
 def regions_per_bucket(flags: list[str]) -> None:
     """Direct buckets of up to 1024 regions with flag ``w``, else the library's default."""
     from aiosync.planes.direct import MAX_REGIONS_PER_BUCKET

@@ -68,8 +68,10 @@ class BucketFanout:
         progress: ProgressCallback | None,
         packed: anyio.Event | None = None,
         tail: Callable[[EngineLink], Awaitable[None]] | None = None,
+        begun: bool = False,
     ) -> None:
         self.links = links
+        self._begun = begun  # the begin went out already, each link's stream open
         self._tail = tail  # sent on each link after its last bucket, once all are packed
         self.finished = False  # every planned bucket was packed and handed to the links
         self._gate: anyio.Event | None = None  # set once every engine answered the begin
@@ -294,13 +296,18 @@ class BucketFanout:
     ) -> None:
         """Send every bucket to one engine and match its acks; gone: release its buffers.
 
-        With ``begin``, the stream opens here, and the ack of the begin is the first awaited.
+        With ``begin``, the stream opens here (or opened already, the ``begin`` sent, for a
+        fanout made with ``begun``), and the ack of the begin is the first awaited.
         """
         inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count + 1)
         try:
             if begin is not None:
-                self._open(link)
-                await self._send_one(link, _Packed(0, BEGIN, begin, BucketPlan()), inflight_tx)
+                head = _Packed(0, BEGIN, begin, BucketPlan())
+                if self._begun:  # sent before the read: only its ack is still due
+                    inflight_tx.send_nowait(head)
+                else:
+                    self._open(link)
+                    await self._send_one(link, head, inflight_tx)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._send_loop, link, outbox, inflight_tx)
                 await self._ack_loop(link, inflight_rx, ledger, free)

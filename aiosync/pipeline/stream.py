@@ -41,6 +41,24 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT = 1.0
 
 
+def streams_before_accepted(engines: int, policy: Policy) -> bool:
+    """Whether a version to ``engines`` under ``policy`` streams before its begin is accepted.
+
+    See :meth:`StreamRun._may_stream_before_accepted`.
+    """
+    return engines == 1 or policy is Policy.AVAILABLE
+
+
+def may_begin_early(engines: int, policy: Policy, plane: SenderPlane) -> bool:
+    """Whether a ``begin`` sent before the read may open a run (its ``begun=``).
+
+    Where buckets may follow the ``begin`` before it is accepted, and only there; not for
+    a plane that queues collectives (each engine joins every broadcast of the group, and
+    the ``begin`` is part of that choreography).
+    """
+    return streams_before_accepted(engines, policy) and getattr(plane, "queue", None) is None
+
+
 class StreamRun:
     """Streams one version to ``links`` through ``plane``; :meth:`run` reports or raises."""
 
@@ -59,6 +77,7 @@ class StreamRun:
         check_snapshot: Callable[[], None] | None = None,
         started: float | None = None,
         first: PackedAhead | None = None,
+        begun: bytes | None = None,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
@@ -68,6 +87,7 @@ class StreamRun:
         self._packed = packed
         self._check_snapshot = check_snapshot
         self._first = first  # bucket 1, packed while the version was read
+        self._begun = begun  # the begin sent before the read (pipeline.early_begin)
         self.vote = FleetVote(list(self.links), policy)
         self.progress = progress
         self._fanout: BucketFanout | None = None
@@ -82,14 +102,16 @@ class StreamRun:
     async def run(self, plans: Iterator[BucketPlan]) -> SyncReport:
         """Stream every planned bucket to every engine, then commit under the policy."""
         try:
-            if begin_is_cheap(self.manifest):
-                payload: bytes | None = self._begin_message()  # no thread hop
+            if self._begun is not None:  # every link's stream is open, its begin sent
+                payload: bytes | None = self._begun
+            elif begin_is_cheap(self.manifest):
+                payload = self._begin_message()  # no thread hop
             else:
                 payload = await anyio.to_thread.run_sync(self._begin_message)
             opening = None
-            if not self._may_stream_before_accepted():  # bucket 1 is packed meanwhile
+            if self._begun is None and not self._may_stream_before_accepted():
                 opening = functools.partial(self._each, self._begin, payload)
-                payload = None
+                payload = None  # (bucket 1 is packed meanwhile)
             self._at_once = self._may_commit_at_once()
             if self.vote.verdict() is not Verdict.ABORT:
                 await self._stream(plans, payload, opening)
@@ -126,7 +148,7 @@ class StreamRun:
         others would apply (in place) part of a version that one refusal dooms, so there
         every engine accepts first (while bucket 1 is packed, not yet published).
         """
-        return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
+        return streams_before_accepted(len(self.links), self.vote.policy)
 
     def _may_commit_at_once(self) -> bool:
         """Whether each engine's ``commit`` may follow its ``complete`` before the ack.
@@ -313,6 +335,7 @@ class StreamRun:
             progress=self.progress,
             packed=self._packed,
             tail=functools.partial(self._send_ends, upto=ends) if ends else None,
+            begun=self._begun is not None,
         )
         self._fanout = fanout
         first, self._first = self._first, None

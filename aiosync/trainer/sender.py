@@ -35,14 +35,15 @@ from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
 from aiosync.core.layout import MAX_BUCKET_ITEMS, calculate_aligned_size
 from aiosync.core.layout_memory import LayoutMemory
-from aiosync.core.manifest import TensorMeta
+from aiosync.core.manifest import TensorMeta, visible_pairs
 from aiosync.core.planning import VersionSource, read_source
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
 from aiosync.pipeline.ahead import read_ahead, read_here
+from aiosync.pipeline.early_begin import EarlyBegin, begin_early
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
-from aiosync.pipeline.stream import StreamRun
+from aiosync.pipeline.stream import StreamRun, may_begin_early
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.planes.direct import DirectSenderPlane
 from aiosync.runtime import require_asyncio, unwrap_group
@@ -99,6 +100,9 @@ class WeightSender:
         self._sending = False
         self._layouts = LayoutMemory()  # the last version's layout, reused if it still fits
         self._direct: DirectReader | None = None  # direct mode's reader, with its plane
+        # the manifest the last committed version's begin carried: the next one's guess,
+        # whose begin goes before the read (pipeline.early_begin)
+        self._begun_with: list[TensorMeta] | None = None
 
     @property
     def engines(self) -> list[str]:
@@ -327,17 +331,27 @@ class WeightSender:
                     checks.append(snapshot_check(read.pairs))
             return read
 
-        here = self._read_here(source, manifest, min(MAX_BUCKET_ITEMS, most))
-        ahead = None if here is None else read_here(here, plane, version)
-        if ahead is None:
-            job = functools.partial(read_ahead, read_and_sample, plane, version)
-            ahead = await anyio.to_thread.run_sync(job)
+        early = await self._begin_early(source, manifest, version, chosen, options)
+        try:
+            here = self._read_here(source, manifest, min(MAX_BUCKET_ITEMS, most))
+            ahead = None if here is None else read_here(here, plane, version)
+            if ahead is None:
+                job = functools.partial(read_ahead, read_and_sample, plane, version)
+                ahead = await anyio.to_thread.run_sync(job)
+        except BaseException:
+            if early is not None:
+                await early.withdraw("the trainer could not read the version")
+            raise
         read, first = ahead
+        if early is not None and not early.holds(read.manifest):
+            log.info("version %d: its manifest changed; the begin sent early is withdrawn", version)
+            await early.withdraw("the version's tensors changed; it begins again")
+            early = None
         run = StreamRun(
             links=list(self._links.values()),
             plane=plane,  # type: ignore[arg-type]
             version=version,
-            manifest=read.manifest,
+            manifest=read.manifest if early is None else early.manifest,
             policy=chosen,
             progress=progress,
             empty=options.empty,
@@ -346,6 +360,7 @@ class WeightSender:
             check_snapshot=checks[0] if checks else None,
             started=started,
             first=first,
+            begun=None if early is None else early.payload,
         )
         try:
             report = await run.run(read.plans)
@@ -354,6 +369,7 @@ class WeightSender:
             if exc is group:
                 raise
             raise exc from None
+        self._begun_with = run.manifest  # the next version's guess (None: none)
         if self._direct is not None:
             report = replace(report, direct_note=self._direct.note)
         log.info(
@@ -366,6 +382,30 @@ class WeightSender:
             ", ".join(report.committed),
         )
         return report
+
+    async def _begin_early(
+        self,
+        source: Any,
+        manifest: Manifest | None,
+        version: int,
+        policy: Policy,
+        options: _Options,
+    ) -> EarlyBegin | None:
+        """The begin sent before the read, on the last version's manifest, where it may go.
+
+        Only for a source whose read builds a manifest (a module, a mapping, a list: not a
+        generator without ``manifest=``), so that a guess is withdrawn only when the names,
+        dtypes or shapes really changed.
+        """
+        guess, plane = self._begun_with, self._plane
+        if guess is None or plane is None or options.empty or options.rebase:
+            return None
+        readable = isinstance(source, torch.nn.Module) or visible_pairs(source) is not None
+        if manifest is None and not readable:
+            return None
+        if not may_begin_early(len(self._links), policy, plane):
+            return None
+        return await begin_early(list(self._links.values()), version, guess)
 
     def _read_here(
         self, source: Any, manifest: Manifest | None, max_items: int

@@ -1,0 +1,99 @@
+"""A version's ``begin`` sent before its tensors are read, on the guess that its manifest holds.
+
+An engine that sat idle between two versions takes 0.3-0.7 ms to wake for the ``begin``
+on the shared GPU hosts, and 0.3-0.5 ms more to check it; a direct version then waits for
+both before its first copy (docs/benchmarks.md). A trainer usually sends the same names,
+dtypes and shapes every version, so the sender guesses that this version's manifest is the
+last one's and sends that ``begin`` first: the engine wakes and checks it while the trainer
+reads its tensors. If the read shows another manifest, or fails, the guess is withdrawn
+(an ``abort`` of the version, nothing applied yet) and the version begins again as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import anyio
+
+from aiosync.core.errors import AiosyncError
+from aiosync.core.manifest import TensorMeta
+from aiosync.core.wire import Abort, encode
+from aiosync.pipeline.begin import encode_begin
+from aiosync.pipeline.links import EngineLink
+
+log = logging.getLogger(__name__)
+
+WITHDRAW_TIMEOUT = 1.0
+"""Seconds each engine's ``abort`` of a withdrawn guess may take to send (best effort)."""
+
+
+class EarlyBegin:
+    """The ``begin`` of ``version`` with a guessed ``manifest``, sent to every one of ``links``.
+
+    Each link's stream is open with the ``begin`` awaiting its ack, exactly as if the
+    pipeline had sent it (:class:`~aiosync.pipeline.stream.StreamRun` takes it from there
+    with ``begun=``), until :meth:`withdraw`.
+    """
+
+    def __init__(
+        self, version: int, manifest: list[TensorMeta], payload: bytes, links: list[EngineLink]
+    ) -> None:
+        self.version = version
+        self.manifest = manifest
+        self.payload = payload
+        self.links = links
+
+    def holds(self, manifest: list[TensorMeta] | None) -> bool:
+        """Whether the version read has the guessed manifest (the same list, or equal)."""
+        return manifest is self.manifest or manifest == self.manifest
+
+    async def withdraw(self, reason: str) -> None:
+        """Tell each engine to drop the stream (nothing of it was applied); never raises.
+
+        Each link's session skips the acks still due (of the ``begin``, of the ``abort``
+        refused or not), so the version may begin again on the same links.
+        """
+        message = encode(Abort(reason, self.version))
+        with anyio.CancelScope(shield=True):
+            for link in self.links:
+                link.session.failed()
+                with anyio.move_on_after(WITHDRAW_TIMEOUT):
+                    try:
+                        await link.channel.send(message)
+                    except AiosyncError as exc:
+                        log.info("could not withdraw the begin from %s: %s", link.name, exc)
+
+
+async def begin_early(
+    links: Sequence[EngineLink], version: int, guess: list[TensorMeta]
+) -> EarlyBegin | None:
+    """Send ``version``'s ``begin`` with manifest ``guess`` to every link, or to none.
+
+    None where it cannot go now: an engine would not take the manifest whole (the
+    version then goes without one), an engine is not behind ``version``, a link is a REQ
+    socket (one message at a time), or a send failed (the ones that went are withdrawn).
+    """
+    limits = [link.session.limits for link in links]
+    for link in links:
+        remote = link.session.remote_version
+        if link.window is not None or (remote is not None and version <= remote):
+            return None
+    payload, carried = encode_begin(version, guess, {"empty": False, "rebase": False}, limits)
+    if carried is None:
+        return None
+    early = EarlyBegin(version, guess, payload, [])
+    try:
+        for link in links:
+            link.session.begin(version)
+            early.links.append(link)
+            await link.send(payload, "the begin", version)
+            link.session.sent(0)
+    except AiosyncError as exc:
+        log.info("begin of version %d not sent early: %s", version, exc)
+        await early.withdraw("the begin could not reach every engine")
+        return None
+    except BaseException:
+        await early.withdraw("the trainer stopped")
+        raise
+    return early

@@ -1,0 +1,178 @@
+"""The begin sent before the read (aiosync.pipeline.early_begin), on the last manifest's guess.
+
+Each test records, in one list, what the trainer sent (message types, per engine) and when
+it read its tensors, then checks the order, what the engines committed and what they
+recorded as failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, ItemsView, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
+from aiosync.core.wire import decode
+from tests.models import assert_same, mixed_weights, zeros_like
+
+SMALL = SenderConfig(buffer_bytes=64 * 1024, timeout=10)
+
+
+class Logged(dict[str, torch.Tensor]):
+    """A mapping of tensors that notes in ``log`` each time its pairs are read."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], log: list[str], fail: bool = False):
+        super().__init__(tensors)
+        self.log, self.fail = log, fail
+
+    def __iter__(self) -> Iterator[str]:
+        if self.log[-1:] != ["read"]:  # one entry for the reads of one version
+            self.log.append("read")
+        if self.fail:
+            raise RuntimeError("the trainer's tensors are gone")
+        return super().__iter__()
+
+    def items(self) -> ItemsView[str, torch.Tensor]:  # iterated through __iter__
+        return ItemsView(self)
+
+
+def record_sends(sender: WeightSender, log: list[str], tagged: bool = False) -> None:
+    """Note each message ``sender`` sends, by type (and engine, if ``tagged``)."""
+    for name, link in sender._links.items():
+        channel: Any = link.channel
+        send = channel.send
+
+        async def recorded(payload: bytes, send: Callable[..., Any] = send, name: str = name):
+            kind = type(decode(payload)).__name__.lower()
+            log.append(f"{kind}@{name}" if tagged else kind)
+            await send(payload)
+
+        channel.send = recorded
+
+
+def version_log(log: list[str]) -> list[str]:
+    """The entries up to and including the first bucket (where the start's order shows)."""
+    first = next(i for i, entry in enumerate(log) if entry.startswith("bucket"))
+    return log[: first + 1]
+
+
+def contiguous(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.contiguous() for name, t in weights.items()}
+
+
+async def test_a_repeated_manifest_begins_before_the_read_and_commits() -> None:
+    weights = mixed_weights()
+    target = zeros_like(weights)
+    log: list[str] = []
+    async with (
+        WeightReceiver(ModuleSink(target)) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        record_sends(sender, log)
+        await sender.send(Logged(weights, log), version=0)
+        assert version_log(log) == ["read", "begin", "bucket"]  # nothing to guess from
+        for version in (1, 2):
+            log.clear()
+            fresh = mixed_weights(seed=version)  # new tensors, same names, dtypes, shapes
+            await sender.send(Logged(fresh, log), version=version)
+            assert version_log(log) == ["begin", "read", "bucket"]
+            assert "abort" not in log
+            assert receiver.current_version == version
+            assert_same(target, contiguous(fresh))
+        assert receiver.failures == []
+
+
+async def test_a_changed_manifest_withdraws_the_guess_and_begins_again() -> None:
+    weights = mixed_weights()
+    target = zeros_like(weights)
+    log: list[str] = []
+    half = {n: t.half() if t.is_floating_point() else t for n, t in mixed_weights(1).items()}
+    async with (
+        WeightReceiver(ModuleSink(target, cast=True)) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        record_sends(sender, log)
+        await sender.send(weights, version=0)
+        log.clear()
+        await sender.send(Logged(half, log), version=1)  # other dtypes: another manifest
+        assert version_log(log) == ["begin", "read", "abort", "begin", "bucket"]
+        assert receiver.current_version == 1
+        (failure,) = receiver.failures  # the withdrawn begin, nothing of it applied
+        assert failure.version == 1
+        assert "changed" in failure.reason
+        assert receiver.servable
+        log.clear()
+        await sender.send(Logged(half, log), version=2)  # the new manifest is the guess now
+        assert version_log(log) == ["begin", "read", "bucket"]
+    expected = {n: t.to(target[n].dtype) for n, t in contiguous(half).items()}
+    assert_same(target, expected)
+
+
+async def test_a_failed_read_withdraws_the_begin_and_the_next_send_works() -> None:
+    weights = mixed_weights()
+    target = zeros_like(weights)
+    log: list[str] = []
+    async with (
+        WeightReceiver(ModuleSink(target)) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        record_sends(sender, log)
+        await sender.send(weights, version=0)
+        log.clear()
+        with pytest.raises(Exception, match="tensors are gone"):
+            await sender.send(Logged(weights, log, fail=True), version=1)
+        assert log == ["begin", "read", "abort"]
+        fresh = mixed_weights(seed=5)
+        await sender.send(fresh, version=1)  # the same version, begun again
+        assert receiver.current_version == 1
+        (failure,) = receiver.failures
+        assert failure.version == 1
+        assert "could not read" in failure.reason
+    assert_same(target, contiguous(fresh))
+
+
+async def test_a_generator_is_never_guessed() -> None:
+    weights = mixed_weights()
+    log: list[str] = []
+    async with (
+        WeightReceiver(ModuleSink(zeros_like(weights))) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        record_sends(sender, log)
+        await sender.send(weights, version=0)
+        log.clear()
+
+        def pairs() -> Iterator[tuple[str, torch.Tensor]]:
+            log.append("read")
+            yield from weights.items()
+
+        await sender.send(pairs(), version=1)
+        assert log.index("read") < log.index("begin")
+        assert receiver.failures == []
+
+
+@pytest.mark.parametrize(("policy", "early"), [("all", False), ("available", True)])
+async def test_two_engines_begin_early_only_under_policy_available(
+    policy: str, early: bool
+) -> None:
+    weights = mixed_weights()
+    targets = [zeros_like(weights), zeros_like(weights)]
+    log: list[str] = []
+    config = SenderConfig(buffer_bytes=64 * 1024, timeout=10, policy=policy)
+    async with (
+        WeightReceiver(ModuleSink(targets[0])) as one,
+        WeightReceiver(ModuleSink(targets[1])) as two,
+        WeightSender([one.endpoint, two.endpoint], config=config) as sender,
+    ):
+        record_sends(sender, log, tagged=True)
+        await sender.send(weights, version=0)
+        log.clear()
+        await sender.send(Logged(weights, log), version=1)
+        begins = [i for i, entry in enumerate(log) if entry.startswith("begin@")]
+        assert len(begins) == 2  # one each
+        assert (max(begins) < log.index("read")) is early
+        assert one.current_version == two.current_version == 1
+    for target in targets:
+        assert_same(target, contiguous(weights))
