@@ -7,7 +7,7 @@ recorded as failed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, ItemsView, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -20,22 +20,26 @@ from tests.models import assert_same, mixed_weights, zeros_like
 SMALL = SenderConfig(buffer_bytes=64 * 1024, timeout=10)
 
 
-class Logged(dict[str, torch.Tensor]):
+class Logged(Mapping[str, torch.Tensor]):
     """A mapping of tensors that notes in ``log`` each time its pairs are read."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], log: list[str], fail: bool = False):
-        super().__init__(tensors)
-        self.log, self.fail = log, fail
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], log: list[str], fail: bool = False
+    ) -> None:
+        self.tensors, self.log, self.fail = tensors, log, fail
 
-    def __iter__(self) -> Iterator[str]:
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[str]:  # items() iterates through this
         if self.log[-1:] != ["read"]:  # one entry for the reads of one version
             self.log.append("read")
         if self.fail:
             raise RuntimeError("the trainer's tensors are gone")
-        return super().__iter__()
-
-    def items(self) -> ItemsView[str, torch.Tensor]:  # iterated through __iter__
-        return ItemsView(self)
+        return iter(self.tensors)
 
 
 def record_sends(sender: WeightSender, log: list[str], tagged: bool = False) -> None:
@@ -44,7 +48,9 @@ def record_sends(sender: WeightSender, log: list[str], tagged: bool = False) -> 
         channel: Any = link.channel
         send = channel.send
 
-        async def recorded(payload: bytes, send: Callable[..., Any] = send, name: str = name):
+        async def recorded(
+            payload: bytes, send: Callable[..., Any] = send, name: str = name
+        ) -> None:
             kind = type(decode(payload)).__name__.lower()
             log.append(f"{kind}@{name}" if tagged else kind)
             await send(payload)
