@@ -105,9 +105,7 @@ async def test_a_changed_manifest_withdraws_the_guess_and_begins_again() -> None
         await sender.send(Logged(half, log), version=1)  # other dtypes: another manifest
         assert version_log(log) == ["begin", "read", "abort", "begin", "bucket"]
         assert receiver.current_version == 1
-        (failure,) = receiver.failures  # the withdrawn begin, nothing of it applied
-        assert failure.version == 1
-        assert "changed" in failure.reason
+        assert receiver.failures == []  # a withdrawn begin is no failure of the engine's
         assert receiver.servable
         log.clear()
         await sender.send(Logged(half, log), version=2)  # the new manifest is the guess now
@@ -133,9 +131,7 @@ async def test_a_failed_read_withdraws_the_begin_and_the_next_send_works() -> No
         fresh = mixed_weights(seed=5)
         await sender.send(fresh, version=1)  # the same version, begun again
         assert receiver.current_version == 1
-        (failure,) = receiver.failures
-        assert failure.version == 1
-        assert "could not read" in failure.reason
+        assert receiver.failures == []
     assert_same(target, contiguous(fresh))
 
 

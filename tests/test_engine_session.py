@@ -1096,6 +1096,24 @@ def test_abort_mid_stream_discards_and_records(version: int | None) -> None:
     assert engine.current_version == 1
 
 
+def test_a_withdrawn_begin_is_dropped_unrecorded_and_may_begin_again() -> None:
+    engine = connected()
+    stream(engine, 1, names=())  # the begin alone
+    assert send(engine, Abort("manifest changed", 1, withdrawn=True)) == [Discard(1)]
+    assert engine.failures == []
+    assert engine.owner is None
+    stream(engine, 1)
+    finish(engine, 1, 2, 2)
+    assert engine.current_version == 1
+
+
+def test_withdrawn_after_a_bucket_is_an_abort_like_any_other() -> None:
+    engine = connected()
+    stream(engine, 1, names=("a",))  # a bucket came: the sender cannot take it back quietly
+    assert send(engine, Abort("manifest changed", 1, withdrawn=True)) == [Discard(1)]
+    assert [f.version for f in engine.failures] == [1]
+
+
 def test_abort_of_a_prepared_version_discards_it() -> None:
     engine = connected(staged=True)
     stream(engine, 1, names=("a",))

@@ -296,6 +296,7 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
 
     _wrap(receiver, "decode", decode)
     mark_phase(rec, receiver.WeightReceiver, "_decide", "decide")
+    mark_phase(rec, receiver, "view_parts", "view")
     mark_phase(rec, receiver.WeightReceiver, "_do", "do")
     _wrap(receiver.WeightReceiver, "_apply", apply)
     _wrap(receiver.WeightReceiver, "_reply", reply)

@@ -130,7 +130,8 @@ class EngineSession:
             if stream is None or message.version not in (None, stream.version):
                 return []
             reason = shorten(message.reason, self.limits.max_name_length)
-            return self._fail_stream(peer, session, f"sender aborted: {reason}")
+            quiet = message.withdrawn and stream.next_seq == 1  # nothing after its begin
+            return self._fail_stream(peer, session, f"sender aborted: {reason}", record=not quiet)
         if isinstance(message, Goodbye):
             if message.session != session.session:
                 return self._protocol_error(
@@ -365,11 +366,14 @@ class EngineSession:
         if len(self.failures) > self.limits.max_failures:
             del self.failures[: -self.limits.max_failures]
 
-    def _fail_stream(self, peer: Peer, session: _Session, reason: str) -> list[Action]:
+    def _fail_stream(
+        self, peer: Peer, session: _Session, reason: str, *, record: bool = True
+    ) -> list[Action]:
         stream = session.stream
         if stream is None:
             return []
-        self._record(session, stream.version, reason)
+        if record:
+            self._record(session, stream.version, reason)
         session.failed_version = stream.version
         session.stream = None
         session.phase = Phase.IDLE

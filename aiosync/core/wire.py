@@ -281,10 +281,15 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
-    """Either way: the stream of ``version`` (or the session, when None) is abandoned."""
+    """Either way: the stream of ``version`` (or the session, when None) is abandoned.
+
+    ``withdrawn`` (sender -> engine): a ``begin`` sent before the trainer read its tensors
+    is taken back before any bucket; the engine then records no failure for it.
+    """
 
     reason: str
     version: int | None = None
+    withdrawn: bool = False
 
 
 GOODBYE_SEQ = -1

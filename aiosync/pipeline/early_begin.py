@@ -49,12 +49,12 @@ class EarlyBegin:
         return manifest is self.manifest or manifest == self.manifest
 
     async def withdraw(self, reason: str) -> None:
-        """Tell each engine to drop the stream (nothing of it was applied); never raises.
+        """Tell each engine to drop the stream, unrecorded (no bucket went); never raises.
 
         Each link's session skips the acks still due (of the ``begin``, of the ``abort``
         refused or not), so the version may begin again on the same links.
         """
-        message = encode(Abort(reason, self.version))
+        message = encode(Abort(reason, self.version, withdrawn=True))
         with anyio.CancelScope(shield=True):
             for link in self.links:
                 link.session.failed()
