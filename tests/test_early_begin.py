@@ -8,13 +8,18 @@ recorded as failed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
+from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender, share_tensors
+from aiosync.core.errors import MismatchError
+from aiosync.core.layout import BucketPlan
+from aiosync.core.trainer_session import FleetVote, Policy
 from aiosync.core.wire import decode
+from aiosync.pipeline.fanout import BucketFanout, _Packed
 from tests.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, timeout=10)
@@ -178,3 +183,109 @@ async def test_two_engines_begin_early_only_under_policy_available(
         assert one.current_version == two.current_version == 1
     for target in targets:
         assert_same(target, contiguous(weights))
+
+
+# --------------------------------------------------------------------------------------
+# direct mode: bucket 1 goes with the begin once a split is kept
+# --------------------------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    """Parameters of two dtypes and a persistent buffer."""
+
+    scale: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 24)
+        self.low = torch.nn.Parameter(torch.randn(33, 7).to(torch.bfloat16))
+        self.register_buffer("scale", torch.arange(5, dtype=torch.float64))
+
+
+def stepped(model: Net, version: int) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 + version)
+
+
+def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameter and buffer objects (``state_dict()`` makes new ones)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+async def test_a_kept_direct_split_sends_bucket_1_before_the_read() -> None:
+    torch.manual_seed(0)
+    model, engine = Net(), Net()
+    log: list[str] = []
+    config = SenderConfig(direct=True, buffer_bytes=64 * 1024, timeout=10)
+    with share_tensors(model):
+        async with (
+            WeightReceiver(ModuleSink(engine)) as receiver,
+            WeightSender(receiver.endpoint, config=config) as sender,
+        ):
+            record_sends(sender, log)
+            orders = []
+            for version in range(4):
+                stepped(model, version)
+                log.clear()
+                report = await sender.send(Logged(tensors(model), log))
+                orders.append(version_log(log))
+                assert report.direct_bytes == report.bytes  # every tensor read in place
+                assert_same(state(engine), state(model))
+            assert receiver.failures == []
+    assert orders[0] == ["read", "begin", "bucket"]  # nothing to guess from
+    assert orders[1] == ["begin", "read", "bucket"]  # the split was new: kept from now on
+    assert orders[2] == orders[3] == ["begin", "bucket"]  # bucket 1 before the read...
+    assert log.index("read") < log.index("complete")  # ...which confirms it
+
+
+async def test_a_moved_tensor_withdraws_bucket_1_and_the_version_begins_again() -> None:
+    torch.manual_seed(0)
+    model, engine = Net(), Net()
+    log: list[str] = []
+    config = SenderConfig(direct=True, buffer_bytes=64 * 1024, timeout=10)
+    with share_tensors(model):
+        async with (
+            WeightReceiver(ModuleSink(engine)) as receiver,
+            WeightSender(receiver.endpoint, config=config) as sender,
+        ):
+            record_sends(sender, log)
+            for version in range(3):
+                stepped(model, version)
+                await sender.send(tensors(model), version=version)
+            model.proj.weight.data = model.proj.weight.detach() + 1  # new, unshared memory
+            log.clear()
+            report = await sender.send(Logged(tensors(model), log), version=3)
+            assert log[:4] == ["begin", "bucket", "read", "abort"]
+            assert log[4:6] == ["begin", "bucket"]  # version 3 again, split afresh
+            assert report.packed_bytes == model.proj.weight.nbytes
+            assert receiver.current_version == 3
+            assert receiver.servable
+            assert [f.version for f in receiver.failures] == [3]  # a bucket had gone
+            assert_same(state(engine), state(model))
+
+
+def test_bucket_1_as_read_must_be_the_bytes_sent_before() -> None:
+    """The fanout's last check: a bucket 1 that differs from what went early fails."""
+    link = SimpleNamespace(timeout=1.0)
+    fanout = BucketFanout(
+        links={"e": link},  # type: ignore[dict-item]
+        plane=SimpleNamespace(count=2),  # type: ignore[arg-type]
+        version=3,
+        manifest=None,
+        vote=FleetVote(["e"], Policy.ALL),
+        guard=None,  # type: ignore[arg-type]
+        progress=None,
+        begun=True,
+        sent_first=b"sent",
+    )
+    with pytest.raises(MismatchError, match="bucket 1 as read"):
+        fanout._confirmed_first(_Packed(1, 0, b"other", BucketPlan()))
+    fanout._sent_first = b"sent"
+    confirmed = fanout._confirmed_first(_Packed(1, 0, b"sent", BucketPlan()))
+    assert confirmed.sent
+    assert fanout._sent_first is None  # checked once

@@ -11,7 +11,8 @@ them without gates (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in dire
 (the engine copies out of this process's tensors, each its own region: an allocation on
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
 tensors as views of one allocation or segment); ``e`` sends each ``begin`` after the read,
-not before it (:mod:`aiosync.pipeline.early_begin`). It then streams ``--traced`` more versions of
+not before it (:mod:`aiosync.pipeline.early_begin`), and ``b`` a direct bucket 1 after
+the read, not with that begin. It then streams ``--traced`` more versions of
 the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
 On CUDA the same run measures the floors (one flat device copy; every tensor into
@@ -254,9 +255,9 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
     ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
     batch of copies copy by copy (no CUDA graphs); ``e`` sends each ``begin`` after the read
-    (no early begin).
+    (no early begin); ``b`` sends a direct bucket 1 after the read, not with the begin.
     """
-    shape = variant.rstrip("iodfsgwtne")
+    shape = variant.rstrip("iodfsgwtneb")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -306,6 +307,7 @@ def trainer(args: argparse.Namespace) -> None:
             timeline_switches.regions_per_bucket(flags)
             timeline_switches.thread_read(flags)
             timeline_switches.late_begin(flags)
+            timeline_switches.first_after_read(flags)
             times, stall = run(
                 functools.partial(
                     _native, model, endpoint, args, shape, args.repeats + 1, None, source
@@ -335,6 +337,7 @@ def trainer(args: argparse.Namespace) -> None:
         timeline_switches.regions_per_bucket(flags)
         timeline_switches.thread_read(flags)
         timeline_switches.late_begin(flags)
+        timeline_switches.first_after_read(flags)
         run(lambda: _native(model, endpoint, args, shape, total, start, traced))
         trainer_marks = rec.dump()
         engine_marks = command("dump")["marks"]

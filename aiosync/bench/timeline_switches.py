@@ -131,6 +131,15 @@ def late_begin(flags: list[str]) -> None:
     WeightSender._begin_early = never if "e" in flags else own  # type: ignore[method-assign,assignment]
 
 
+def first_after_read(flags: list[str]) -> None:
+    """With flag ``b``, a direct bucket 1 goes after the read, not with an early begin."""
+    from aiosync.trainer.direct import DirectReader
+
+    own = getattr(DirectReader, "_own_kept_first", DirectReader.kept_first)
+    DirectReader._own_kept_first = own  # type: ignore[attr-defined]
+    DirectReader.kept_first = (lambda _: None) if "b" in flags else own  # type: ignore[method-assign,assignment]
+
+
 def regions_per_bucket(flags: list[str]) -> None:
     """Direct buckets of up to 1024 regions with flag ``w``, else the library's default."""
     from aiosync.planes.direct import MAX_REGIONS_PER_BUCKET

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 import anyio
 
 from aiosync.core.errors import AiosyncError
+from aiosync.core.layout import BucketPlan
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.wire import Abort, encode
 from aiosync.pipeline.begin import encode_begin
+from aiosync.pipeline.fanout import kept_first_payload
 from aiosync.pipeline.links import EngineLink
 
 log = logging.getLogger(__name__)
@@ -33,26 +35,44 @@ class EarlyBegin:
 
     Each link's stream is open with the ``begin`` awaiting its ack, exactly as if the
     pipeline had sent it (:class:`~aiosync.pipeline.stream.StreamRun` takes it from there
-    with ``begun=``), until :meth:`withdraw`.
+    with ``begun=``), until :meth:`withdraw`. With a ``first`` plan (a direct bucket kept
+    from the last version), bucket 1's message ``first_payload`` went out after the begin
+    too (``sent_first=``).
     """
 
     def __init__(
-        self, version: int, manifest: list[TensorMeta], payload: bytes, links: list[EngineLink]
+        self,
+        version: int,
+        manifest: list[TensorMeta],
+        payload: bytes,
+        links: list[EngineLink],
+        first: BucketPlan | None = None,
+        first_payload: bytes | None = None,
     ) -> None:
         self.version = version
         self.manifest = manifest
         self.payload = payload
         self.links = links
+        self.first = first
+        self.first_payload = first_payload
 
-    def holds(self, manifest: list[TensorMeta] | None) -> bool:
-        """Whether the version read has the guessed manifest (the same list, or equal)."""
-        return manifest is self.manifest or manifest == self.manifest
+    def holds(self, manifest: list[TensorMeta] | None, first: BucketPlan | None) -> bool:
+        """Whether the version read is the guess.
+
+        Its manifest (the same list, or equal) and, if bucket 1 went too, the very plan it
+        was made from.
+        """
+        if manifest is not self.manifest and manifest != self.manifest:
+            return False
+        return self.first is None or first is self.first
 
     async def withdraw(self, reason: str) -> None:
-        """Tell each engine to drop the stream, unrecorded (no bucket went); never raises.
+        """Tell each engine to drop the stream; never raises.
 
-        Each link's session skips the acks still due (of the ``begin``, of the ``abort``
-        refused or not), so the version may begin again on the same links.
+        Unrecorded by the engine where only the begin went; after bucket 1 it is an abort
+        like any other (an in-place engine is then not servable until the next version).
+        Each link's session skips the acks still due, so the version may begin again on
+        the same links.
         """
         message = encode(Abort(reason, self.version, withdrawn=True))
         with anyio.CancelScope(shield=True):
@@ -66,11 +86,16 @@ class EarlyBegin:
 
 
 async def begin_early(
-    links: Sequence[EngineLink], version: int, guess: list[TensorMeta]
+    links: Sequence[EngineLink],
+    version: int,
+    guess: list[TensorMeta],
+    first: BucketPlan | None = None,
 ) -> EarlyBegin | None:
     """Send ``version``'s ``begin`` with manifest ``guess`` to every link, or to none.
 
-    None where it cannot go now: an engine would not take the manifest whole (the
+    With ``first`` (a direct plan the last version's split made, kept), bucket 1 follows
+    each ``begin``: the engines then start copying while the trainer checks its tensors.
+    None where nothing can go now: an engine would not take the manifest whole (the
     version then goes without one), an engine is not behind ``version``, a link is a REQ
     socket (one message at a time), or a send failed (the ones that went are withdrawn).
     """
@@ -82,13 +107,17 @@ async def begin_early(
     payload, carried = encode_begin(version, guess, {"empty": False, "rebase": False}, limits)
     if carried is None:
         return None
-    early = EarlyBegin(version, guess, payload, [])
+    bucket = None if first is None else kept_first_payload(version, first)
+    early = EarlyBegin(version, guess, payload, [], first if bucket else None, bucket)
     try:
         for link in links:
             link.session.begin(version)
             early.links.append(link)
             await link.send(payload, "the begin", version)
             link.session.sent(0)
+            if bucket is not None:
+                await link.send(bucket, "bucket 1", version)
+                link.session.sent(1)
     except AiosyncError as exc:
         log.info("begin of version %d not sent early: %s", version, exc)
         await early.withdraw("the begin could not reach every engine")

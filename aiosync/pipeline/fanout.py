@@ -16,7 +16,7 @@ opening ended with the version still possible.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -51,6 +51,36 @@ class _Packed:
     tensors: int = 0  # whole tensors and last chunks (counted in the packing thread)
     nbytes: int = 0  # tensor bytes carried
     direct: bool = False  # read by engines in the trainer's memory (direct mode)
+    sent: bool = False  # went out before the read (pipeline.early_begin): acks only
+
+
+def bucket_payload(
+    version: int, seq: int, index: int, plan: BucketPlan, slots: list[Slot] | None
+) -> bytes:
+    """The encoded bucket message of ``plan`` in buffer ``index``.
+
+    By manifest ``slots``, or naming its specs (no manifest); a direct plan's regions go
+    with it.
+    """
+    if slots is not None:
+        bucket = Bucket(version, seq, index, plan.used, slots=slots)
+    else:
+        bucket = Bucket(version, seq, index, plan.used, specs=plan.specs)
+    regions = getattr(plan, "regions", None)
+    if regions:
+        bucket = msgspec.structs.replace(bucket, regions=regions)
+    return encode(bucket)
+
+
+def kept_first_payload(version: int, plan: BucketPlan) -> bytes | None:
+    """Bucket 1 of ``version`` as a direct ``plan`` kept from the last version encodes it.
+
+    None unless ``plan`` is direct and carries the slots made for it then: the very bytes
+    :class:`BucketFanout` makes for it (so the read can confirm them).
+    """
+    if not getattr(plan, "regions", None) or plan.slots is None:
+        return None
+    return bucket_payload(version, 1, plan.buffer, plan, plan.slots)  # type: ignore[attr-defined]
 
 
 class BucketFanout:
@@ -69,9 +99,11 @@ class BucketFanout:
         packed: anyio.Event | None = None,
         tail: Callable[[EngineLink], Awaitable[None]] | None = None,
         begun: bool = False,
+        sent_first: bytes | None = None,
     ) -> None:
         self.links = links
         self._begun = begun  # the begin went out already, each link's stream open
+        self._sent_first = sent_first  # and bucket 1's message, to be confirmed as read
         self._tail = tail  # sent on each link after its last bucket, once all are packed
         self.finished = False  # every planned bucket was packed and handed to the links
         self._gate: anyio.Event | None = None  # set once every engine answered the begin
@@ -176,6 +208,8 @@ class BucketFanout:
                     packed = await anyio.to_thread.run_sync(
                         self._pack_next, plans, index, limiter=self._limiter
                     )
+                if self._sent_first is not None:
+                    packed = self._confirmed_first(packed)
                 if packed is None:
                     return await self._end_packing(outboxes)
                 if self._gate is not None and not await self._accepted(self._gate):
@@ -196,6 +230,19 @@ class BucketFanout:
         finally:
             for outbox in outboxes.values():
                 outbox.close()
+
+    def _confirmed_first(self, packed: _Packed | None) -> _Packed:
+        """Bucket 1 as read, marked sent: it must be the very message sent before the read.
+
+        (The sender sends it early only where the read reuses the same plan; this is the
+        check that the bytes the engines already have are the version's.)
+        """
+        sent, self._sent_first = self._sent_first, None
+        if packed is None or packed.seq != 1 or packed.payload != sent:
+            raise MismatchError(
+                "bucket 1 as read is not the one sent before the read", version=self.version
+            )
+        return replace(packed, sent=True)
 
     async def _free_buffer(self, free: Receiving[int]) -> int:
         """The next buffer every engine let go of.
@@ -267,15 +314,12 @@ class BucketFanout:
             if plan.slots is None:
                 pairs = zip(plan.entries, plan.specs, strict=True)
                 plan.slots = [Slot(entry, s.offset, s.nbytes, s.start) for entry, s in pairs]
-            bucket = Bucket(self.version, seq, index, plan.used, slots=plan.slots)
+            payload = bucket_payload(self.version, seq, index, plan, plan.slots)
         elif self.manifest is not None:
             slots = [self._slot(spec) for spec in plan.specs]
-            bucket = Bucket(self.version, seq, index, plan.used, slots=slots)
+            payload = bucket_payload(self.version, seq, index, plan, slots)
         else:
-            bucket = Bucket(self.version, seq, index, plan.used, specs=plan.specs)
-        if regions:
-            bucket = msgspec.structs.replace(bucket, regions=regions)
-        payload = encode(bucket)
+            payload = bucket_payload(self.version, seq, index, plan, None)
         return _Packed(seq, ring, payload, plan, tensors, plan.payload_bytes, bool(regions))
 
     def _slot(self, spec: TensorSpec) -> Slot:
@@ -354,6 +398,9 @@ class BucketFanout:
     async def _send_one(
         self, link: EngineLink, packed: _Packed, inflight: Sending[_Packed]
     ) -> None:
+        if packed.sent:  # before the read, with the begin: only its ack is due
+            inflight.send_nowait(packed)
+            return
         tensor = packed.plan.first_name
         if link.window is not None:
             with anyio.move_on_after(self.timeout) as scope:

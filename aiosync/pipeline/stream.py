@@ -78,6 +78,7 @@ class StreamRun:
         started: float | None = None,
         first: PackedAhead | None = None,
         begun: bytes | None = None,
+        sent_first: bytes | None = None,
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
@@ -88,6 +89,7 @@ class StreamRun:
         self._check_snapshot = check_snapshot
         self._first = first  # bucket 1, packed while the version was read
         self._begun = begun  # the begin sent before the read (pipeline.early_begin)
+        self._sent_first = sent_first  # and bucket 1's message, if it went with it
         self.vote = FleetVote(list(self.links), policy)
         self.progress = progress
         self._fanout: BucketFanout | None = None
@@ -336,6 +338,7 @@ class StreamRun:
             packed=self._packed,
             tail=functools.partial(self._send_ends, upto=ends) if ends else None,
             begun=self._begun is not None,
+            sent_first=self._sent_first,
         )
         self._fanout = fanout
         first, self._first = self._first, None

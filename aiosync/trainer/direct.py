@@ -120,6 +120,19 @@ class DirectReader:
         self.fresh, self.checked = False, kept.checked
         return self._source(kept, pairs, packed, capacity, max_items, planner)
 
+    def kept_first(self) -> DirectPlan | None:
+        """Bucket 1's plan if the next read keeps the last split: a guess, before reading.
+
+        Only once the last read kept the split it found (a trainer whose tensors move every
+        version never has one), and only a direct plan: the plan object a kept read hands
+        out again, which :func:`~aiosync.pipeline.fanout.kept_first_payload` encodes.
+        """
+        kept = self._kept
+        if self.fresh or kept is None or not kept.direct or kept.plans is None:
+            return None
+        plans = kept.plans[0]
+        return plans[0] if plans else None
+
     def _sort(
         self, source: Any, pairs: Collection[tuple[str, Any]]
     ) -> tuple[Collection[tuple[str, Any]], list[tuple[str, torch.Tensor]], list[tuple[str, Any]]]:

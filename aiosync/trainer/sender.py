@@ -343,8 +343,8 @@ class WeightSender:
                 await early.withdraw("the trainer could not read the version")
             raise
         read, first = ahead
-        if early is not None and not early.holds(read.manifest):
-            log.info("version %d: its manifest changed; the begin sent early is withdrawn", version)
+        if early is not None and not early.holds(read.manifest, first.plan):
+            log.info("version %d changed: what went before the read is withdrawn", version)
             await early.withdraw("the version's tensors changed; it begins again")
             early = None
         run = StreamRun(
@@ -361,6 +361,7 @@ class WeightSender:
             started=started,
             first=first,
             begun=None if early is None else early.payload,
+            sent_first=None if early is None else early.first_payload,
         )
         try:
             report = await run.run(read.plans)
@@ -405,17 +406,24 @@ class WeightSender:
             return None
         if not may_begin_early(len(self._links), policy, plane):
             return None
-        return await begin_early(list(self._links.values()), version, guess)
+        first = None
+        if self._direct is not None and self._may_read_here(manifest):
+            first = self._direct.kept_first()  # a kept read hands out the same plan
+        return await begin_early(list(self._links.values()), version, guess, first)
 
     def _read_here(
         self, source: Any, manifest: Manifest | None, max_items: int
     ) -> Callable[[], VersionSource | None] | None:
         """A read bounded enough for the event loop (a direct split kept), if one applies."""
-        if self._direct is None or manifest is not None or self.config.check_snapshot:
+        if self._direct is None or not self._may_read_here(manifest):
             return None
         return functools.partial(
             self._direct.read_kept, source, self._capacity, max_items, self._layouts.lay_out
         )
+
+    def _may_read_here(self, manifest: Manifest | None) -> bool:
+        """Whether a direct read may run on the loop: no manifest given, no snapshot check."""
+        return manifest is None and not self.config.check_snapshot
 
     async def _drop_broken(self) -> None:
         """Engines whose session broke leave the fleet; they are kept in ``lost_engines``."""
