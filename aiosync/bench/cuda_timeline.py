@@ -12,7 +12,8 @@ them without gates (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in dire
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
 tensors as views of one allocation or segment); ``e`` sends each ``begin`` after the read,
 not before it (:mod:`aiosync.pipeline.early_begin`), and ``b`` a direct bucket 1 after
-the read, not with that begin. It then streams ``--traced`` more versions of
+the read, not with that begin; ``q`` applies every bucket in the engine's worker thread
+(:mod:`aiosync.engine.quick_apply`). It then streams ``--traced`` more versions of
 the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
 On CUDA the same run measures the floors (one flat device copy; every tensor into
@@ -85,6 +86,7 @@ def engine(args: argparse.Namespace) -> None:
 
     async def serve() -> None:
         async with WeightReceiver(sink) as receiver:
+            quick = receiver._quick.quick
             _say({"endpoint": receiver.endpoint})
             while True:
                 words = (await anyio.to_thread.run_sync(sys.stdin.readline)).split()
@@ -99,6 +101,8 @@ def engine(args: argparse.Namespace) -> None:
                     mode.update(words[1:])
                     inline.clear()
                     inline.update(["_apply"] if "i" in mode else [])
+                    never = "q" in mode  # every apply in a worker thread, as before
+                    receiver._quick.quick = (lambda _: False) if never else quick  # type: ignore[method-assign,assignment]
                     _say({"mode": sorted(mode)})
                 elif words[0] == "dump":
                     _say({"marks": rec.dump()})
@@ -255,9 +259,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
     ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
     batch of copies copy by copy (no CUDA graphs); ``e`` sends each ``begin`` after the read
-    (no early begin); ``b`` sends a direct bucket 1 after the read, not with the begin.
+    (no early begin); ``b`` sends a direct bucket 1 after the read, not with the begin;
+    ``q`` has the engine apply every bucket in a worker thread (no quick applies).
     """
-    shape = variant.rstrip("iodfsgwtneb")
+    shape = variant.rstrip("iodfsgwtnebq")
     return shape, sorted(set(variant[len(shape) :]))
 
 

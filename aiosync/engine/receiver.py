@@ -15,6 +15,7 @@ was checked and every engine the sender needs had prepared it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -48,6 +49,7 @@ from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
+from aiosync.engine.quick_apply import QuickApplies
 from aiosync.engine.sinks import WeightSink, apply_parts
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
@@ -92,6 +94,7 @@ class WeightReceiver:
         self._channels: dict[Peer, Channel] = {}
         self._planes: dict[Peer, ReceiverPlane] = {}
         self._limiter = anyio.CapacityLimiter(1)
+        self._quick = QuickApplies()  # direct buckets measured quick: applied on the loop
         self._committed = anyio.Event()
         self._leases = LeaseGate()
         self._swapper = Swapper(sink, self._leases, self.config, self._limiter)
@@ -356,7 +359,11 @@ class WeightReceiver:
         if isinstance(action, Apply):
             try:
                 plane = self._planes[action.peer]
-                await anyio.to_thread.run_sync(self._apply, plane, action, limiter=self._limiter)
+                if self._quick.quick(action):  # a kept direct bucket: no hop (quick_apply)
+                    self._apply(plane, action)
+                else:
+                    apply = functools.partial(self._apply, plane, action)
+                    await anyio.to_thread.run_sync(apply, limiter=self._limiter)
             except Exception as exc:
                 return machine.apply_failed(action.peer, action.seq, apply_error(action, exc))
             return machine.applied(action.peer, action.seq, time.monotonic())
@@ -378,13 +385,17 @@ class WeightReceiver:
         """Hand the sink the bucket's bytes and specs (a worker thread).
 
         A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
+        Its CPU time is noted: a direct bucket that was quick is applied on the loop next time.
         """
+        started = time.thread_time()
         with ordered_apply(plane, action.buffer):
             parts = view_parts(plane, action)
             if len(parts) > 1 and not action.held:  # a direct bucket's regions: one call
-                return apply_parts(self.sink, parts)
-            for bucket, specs in held_or_parts(self.held, parts, action):
-                self.sink.apply_bucket(bucket, specs)
+                apply_parts(self.sink, parts)
+            else:
+                for bucket, specs in held_or_parts(self.held, parts, action):
+                    self.sink.apply_bucket(bucket, specs)
+        self._quick.note(action, time.thread_time() - started)
 
     async def _committed_hook(self, version: int) -> None:
         log.info("committed version %d", version)
