@@ -1,8 +1,9 @@
 """Which direct buckets an engine may apply on its event loop: those measured quick last time.
 
-Handing a bucket to a worker thread and back costs 0.15-0.3 ms on the shared GPU hosts
-(docs/benchmarks.md), more than the host work of a direct bucket whose split and copies
-are kept from the last version (a few checks and one CUDA graph launch). The engine times
+Handing a bucket to a worker thread and back costs 0.15-0.6 ms on the shared GPU hosts
+(docs/benchmarks.md), about the host work of a direct bucket whose split and copies are
+kept from the last version (its checks, about a microsecond a tensor, and one CUDA graph
+launch), and the worker then competes with the loop for the GIL. The engine times
 each direct bucket's apply (CPU time of the applying thread) by the spec list it was for:
 a kept bucket arrives with the very same list every version. One that took at most
 :data:`INLINE_APPLY` last time is applied on the loop this time; anything else, and any
@@ -14,8 +15,12 @@ from __future__ import annotations
 
 from aiosync.core.engine_actions import Apply
 
-INLINE_APPLY = 0.25e-3
-"""Seconds of host work up to which a direct bucket's apply runs on the event loop."""
+INLINE_APPLY = 0.5e-3
+"""Seconds of host work up to which a direct bucket's apply runs on the event loop.
+
+At most about what a hop to a worker thread costs on those hosts: inline is then never
+slower, and the loop is held no longer than that.
+"""
 
 KEPT = 1024
 """Spec lists remembered at most (the oldest are forgotten first)."""
