@@ -261,6 +261,7 @@ def test_a_recurring_batch_runs_as_a_graph_bit_exact_and_ordered(width: int) -> 
             assert torch.equal(sums.cpu(), expected.cpu()), round_
     stream.synchronize()
     assert all(torch.equal(s, d) for s, d in zip(sources, targets, strict=True))
+    assert copies.batches == {"unseen": 1, "graph": 3}
     copies.close()
 
 

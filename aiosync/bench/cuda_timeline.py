@@ -91,7 +91,9 @@ def engine(args: argparse.Namespace) -> None:
             while True:
                 words = (await anyio.to_thread.run_sync(sys.stdin.readline)).split()
                 if not words or words[0] == "digest":
-                    _say({"digest": _digest(model)})
+                    copies = getattr(sink._programs, "_copies", {})
+                    batches = {k: dict(c.batches) for k, c in copies.items()}
+                    _say({"digest": _digest(model), "batches": batches})
                     return
                 if words[0] == "start":
                     rec.start()
@@ -360,7 +362,9 @@ def trainer(args: argparse.Namespace) -> None:
             times = _probe(model, proc, count, mb * MiB, args.repeats)
             out["probe " + probe] = {"median_s": statistics.median(times), "times_s": times}
             print(f"probe {probe}: {[round(t * 1e3, 2) for t in times]}", flush=True)
-        out["bit_exact"] = command("digest")["digest"] == _digest(model)
+        digest = command("digest")
+        out["bit_exact"] = digest["digest"] == _digest(model)
+        out["engine_batches"] = digest.get("batches", {})  # how its copies were queued
         if cuda:
             two = out["two_copies_s"]
             for variant in variants:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -169,6 +169,10 @@ class DeviceCopies:
         self._kept: OrderedDict[tuple[object, ...], CopyGraph] = OrderedDict()
         self._seen: OrderedDict[tuple[object, ...], None] = OrderedDict()
         self._asked: set[tuple[object, ...]] = set()  # batches asked for since prune()
+        self.batches: Counter[str] = Counter()
+        """How each batch went: ``graph`` (launched), ``gated`` (a graph asked for while a
+        gate had not fired: copy by copy), ``unseen`` (asked for, but no graph made yet or
+        too few copies for one), ``copies`` (no graph asked for)."""
 
     def queue(self, jobs: Sequence[CopyJob], stream: torch.cuda.Stream) -> None:
         """Queue ``jobs`` so that, to later work on ``stream``, they ran on ``stream``.
@@ -181,10 +185,13 @@ class DeviceCopies:
         sizes = [nbytes for _, _, nbytes in jobs]
         with self._lock, torch.cuda.device(self.device):
             lanes = 1 if one_stream or self.width < 2 else GRAPH_LANES
-            graph = self._graph(jobs, lanes) if hinted and self._may_graph(gates) else None
+            may = hinted and self._may_graph(gates)
+            graph = self._graph(jobs, lanes) if may else None
             if graph is not None:
+                self.batches["graph"] += 1
                 graph.launch(stream)
                 return
+            self.batches["unseen" if may else "gated" if hinted and self.graphs else "copies"] += 1
             if one_stream or self.width < 2 or len(jobs) < 2 or sum(sizes) < SPREAD_MIN_BYTES:
                 handle = stream.cuda_stream
                 for dst, src, nbytes in jobs:
