@@ -7,7 +7,8 @@ recorded as failed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -217,26 +218,36 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
+@asynccontextmanager
+async def direct_pair(
+    model: torch.nn.Module, sink: ModuleSink, log: list[str] | None = None
+) -> AsyncIterator[tuple[WeightReceiver, WeightSender]]:
+    """``model`` in a shared segment, streamed in direct mode to ``sink`` (sends logged)."""
+    config = SenderConfig(direct=True, buffer_bytes=64 * 1024, timeout=10)
+    with share_tensors(model):
+        async with (
+            WeightReceiver(sink) as receiver,
+            WeightSender(receiver.endpoint, config=config) as sender,
+        ):
+            if log is not None:
+                record_sends(sender, log)
+            yield receiver, sender
+
+
 async def test_a_kept_direct_split_sends_bucket_1_before_the_read() -> None:
     torch.manual_seed(0)
     model, engine = Net(), Net()
     log: list[str] = []
-    config = SenderConfig(direct=True, buffer_bytes=64 * 1024, timeout=10)
-    with share_tensors(model):
-        async with (
-            WeightReceiver(ModuleSink(engine)) as receiver,
-            WeightSender(receiver.endpoint, config=config) as sender,
-        ):
-            record_sends(sender, log)
-            orders = []
-            for version in range(4):
-                stepped(model, version)
-                log.clear()
-                report = await sender.send(Logged(tensors(model), log))
-                orders.append(version_log(log))
-                assert report.direct_bytes == report.bytes  # every tensor read in place
-                assert_same(state(engine), state(model))
-            assert receiver.failures == []
+    async with direct_pair(model, ModuleSink(engine), log) as (receiver, sender):
+        orders = []
+        for version in range(4):
+            stepped(model, version)
+            log.clear()
+            report = await sender.send(Logged(tensors(model), log))
+            orders.append(version_log(log))
+            assert report.direct_bytes == report.bytes  # every tensor read in place
+            assert_same(state(engine), state(model))
+        assert receiver.failures == []
     assert orders[0] == ["read", "begin", "bucket"]  # nothing to guess from
     assert orders[1] == ["begin", "read", "bucket"]  # the split was new: kept from now on
     assert orders[2] == orders[3] == ["begin", "bucket"]  # bucket 1 before the read...
@@ -247,26 +258,20 @@ async def test_a_moved_tensor_withdraws_bucket_1_and_the_version_begins_again() 
     torch.manual_seed(0)
     model, engine = Net(), Net()
     log: list[str] = []
-    config = SenderConfig(direct=True, buffer_bytes=64 * 1024, timeout=10)
-    with share_tensors(model):
-        async with (
-            WeightReceiver(ModuleSink(engine)) as receiver,
-            WeightSender(receiver.endpoint, config=config) as sender,
-        ):
-            record_sends(sender, log)
-            for version in range(3):
-                stepped(model, version)
-                await sender.send(tensors(model), version=version)
-            model.proj.weight.data = model.proj.weight.detach() + 1  # new, unshared memory
-            log.clear()
-            report = await sender.send(Logged(tensors(model), log), version=3)
-            assert log[:4] == ["begin", "bucket", "read", "abort"]
-            assert log[4:6] == ["begin", "bucket"]  # version 3 again, split afresh
-            assert report.packed_bytes == model.proj.weight.nbytes
-            assert receiver.current_version == 3
-            assert receiver.servable
-            assert [f.version for f in receiver.failures] == [3]  # a bucket had gone
-            assert_same(state(engine), state(model))
+    async with direct_pair(model, ModuleSink(engine), log) as (receiver, sender):
+        for version in range(3):
+            stepped(model, version)
+            await sender.send(tensors(model), version=version)
+        model.proj.weight.data = model.proj.weight.detach() + 1  # new, unshared memory
+        log.clear()
+        report = await sender.send(Logged(tensors(model), log), version=3)
+        assert log[:4] == ["begin", "bucket", "read", "abort"]
+        assert log[4:6] == ["begin", "bucket"]  # version 3 again, split afresh
+        assert report.packed_bytes == model.proj.weight.nbytes
+        assert receiver.current_version == 3
+        assert receiver.servable
+        assert [f.version for f in receiver.failures] == [3]  # a bucket had gone
+        assert_same(state(engine), state(model))
 
 
 def test_bucket_1_as_read_must_be_the_bytes_sent_before() -> None:

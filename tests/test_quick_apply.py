@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import threading
 
-import anyio
 import pytest
 import torch
 
-from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender, share_tensors
+from aiosync import ModuleSink
 from aiosync.core.engine_actions import Apply
 from aiosync.core.layout import TensorSpec
 from aiosync.core.wire import Region, ShmHandle
 from aiosync.engine import quick_apply
+from aiosync.engine.bulk_apply import Part
 from aiosync.engine.quick_apply import INLINE_APPLY, QuickApplies
-from tests.test_early_begin import Net, state, stepped, tensors
+from tests.models import assert_same
+from tests.test_early_begin import Net, direct_pair, state, stepped, tensors
 
 
 def apply_of(specs: list[TensorSpec], direct: bool = True) -> Apply:
@@ -56,24 +57,16 @@ async def test_steady_direct_versions_are_applied_on_the_loop_bit_exact() -> Non
     where: list[set[bool]] = []
 
     class Watched(ModuleSink):
-        def apply_parts(self, parts):  # type: ignore[no-untyped-def]
+        def apply_parts(self, parts: list[Part]) -> None:
             where[-1].add(threading.get_ident() == loop)
             super().apply_parts(parts)
 
-    config = SenderConfig(direct=True, buffer_bytes=64 * 1024, timeout=10)
-    with share_tensors(model):
-        async with (
-            WeightReceiver(Watched(engine)) as receiver,
-            WeightSender(receiver.endpoint, config=config) as sender,
-        ):
-            for version in range(5):
-                stepped(model, version)
-                where.append(set())
-                await sender.send(tensors(model))
-                with anyio.fail_after(10):
-                    while receiver.current_version != version:
-                        await anyio.sleep(0.01)
-                for name, value in state(model).items():
-                    assert torch.equal(state(engine)[name], value), name
+    async with direct_pair(model, Watched(engine)) as (receiver, sender):
+        for version in range(5):
+            stepped(model, version)
+            where.append(set())
+            await sender.send(tensors(model))
+            assert receiver.current_version == version
+            assert_same(state(engine), state(model))
     assert where[0] == {False}  # first sightings: a worker thread
     assert where[-1] == {True}  # a kept split, measured quick: on the loop
