@@ -74,15 +74,25 @@ def contiguous(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.contiguous() for name, t in weights.items()}
 
 
+@asynccontextmanager
+async def logged_pair(
+    sink: ModuleSink, log: list[str] | None, config: SenderConfig = SMALL
+) -> AsyncIterator[tuple[WeightReceiver, WeightSender]]:
+    """An engine with ``sink`` and a sender to it whose sends go to ``log`` (if given)."""
+    async with (
+        WeightReceiver(sink) as receiver,
+        WeightSender(receiver.endpoint, config=config) as sender,
+    ):
+        if log is not None:
+            record_sends(sender, log)
+        yield receiver, sender
+
+
 async def test_a_repeated_manifest_begins_before_the_read_and_commits() -> None:
     weights = mixed_weights()
     target = zeros_like(weights)
     log: list[str] = []
-    async with (
-        WeightReceiver(ModuleSink(target)) as receiver,
-        WeightSender(receiver.endpoint, config=SMALL) as sender,
-    ):
-        record_sends(sender, log)
+    async with logged_pair(ModuleSink(target), log) as (receiver, sender):
         await sender.send(Logged(weights, log), version=0)
         assert version_log(log) == ["read", "begin", "bucket"]  # nothing to guess from
         for version in (1, 2):
@@ -101,11 +111,7 @@ async def test_a_changed_manifest_withdraws_the_guess_and_begins_again() -> None
     target = zeros_like(weights)
     log: list[str] = []
     half = {n: t.half() if t.is_floating_point() else t for n, t in mixed_weights(1).items()}
-    async with (
-        WeightReceiver(ModuleSink(target, cast=True)) as receiver,
-        WeightSender(receiver.endpoint, config=SMALL) as sender,
-    ):
-        record_sends(sender, log)
+    async with logged_pair(ModuleSink(target, cast=True), log) as (receiver, sender):
         await sender.send(weights, version=0)
         log.clear()
         await sender.send(Logged(half, log), version=1)  # other dtypes: another manifest
@@ -124,11 +130,7 @@ async def test_a_failed_read_withdraws_the_begin_and_the_next_send_works() -> No
     weights = mixed_weights()
     target = zeros_like(weights)
     log: list[str] = []
-    async with (
-        WeightReceiver(ModuleSink(target)) as receiver,
-        WeightSender(receiver.endpoint, config=SMALL) as sender,
-    ):
-        record_sends(sender, log)
+    async with logged_pair(ModuleSink(target), log) as (receiver, sender):
         await sender.send(weights, version=0)
         log.clear()
         with pytest.raises(Exception, match="tensors are gone"):
@@ -144,11 +146,7 @@ async def test_a_failed_read_withdraws_the_begin_and_the_next_send_works() -> No
 async def test_a_generator_is_never_guessed() -> None:
     weights = mixed_weights()
     log: list[str] = []
-    async with (
-        WeightReceiver(ModuleSink(zeros_like(weights))) as receiver,
-        WeightSender(receiver.endpoint, config=SMALL) as sender,
-    ):
-        record_sends(sender, log)
+    async with logged_pair(ModuleSink(zeros_like(weights)), log) as (receiver, sender):
         await sender.send(weights, version=0)
         log.clear()
 
@@ -225,13 +223,8 @@ async def direct_pair(
     """``model`` in a shared segment, streamed in direct mode to ``sink`` (sends logged)."""
     config = SenderConfig(direct=True, buffer_bytes=64 * 1024, timeout=10)
     with share_tensors(model):
-        async with (
-            WeightReceiver(sink) as receiver,
-            WeightSender(receiver.endpoint, config=config) as sender,
-        ):
-            if log is not None:
-                record_sends(sender, log)
-            yield receiver, sender
+        async with logged_pair(sink, log, config) as pair:
+            yield pair
 
 
 async def test_a_kept_direct_split_sends_bucket_1_before_the_read() -> None:
