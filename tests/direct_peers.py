@@ -98,7 +98,11 @@ def engine(args: argparse.Namespace) -> None:
                 await answer()
             await anyio.sleep_forever()
 
-    run(serve)
+    if args.loop_stream:  # the serving loop's own current stream, as an application might
+        with torch.cuda.stream(torch.cuda.Stream()):
+            run(serve)
+    else:
+        run(serve)
 
 
 def churn(net: Net, version: int) -> None:
@@ -172,6 +176,7 @@ def main() -> None:
     parser.add_argument("--staged", action="store_true")
     parser.add_argument("--die-in-version", type=int, default=0)
     parser.add_argument("--answer", action="store_true")
+    parser.add_argument("--loop-stream", action="store_true")
     args = parser.parse_args()
     engine(args) if args.role == "engine" else trainer(args)
 

@@ -40,11 +40,12 @@ def run_fleet(
     engines: int = 1,
     trainer_env: dict[str, str] | None = None,
     trainer_args: tuple[str, ...] = (),
+    engine_args: tuple[str, ...] = (),
 ) -> tuple[list[Event], list[dict[object, object]]]:
     """``engines`` engine processes and one trainer: the trainer's events, and each
     engine's digests by committed version."""
     with ExitStack() as stack:
-        procs = [stack.enter_context(peer("engine")) for _ in range(engines)]
+        procs = [stack.enter_context(peer("engine", *engine_args)) for _ in range(engines)]
         points = [
             a for proc in procs for a in ("--endpoint", str(first(proc, "ready")["endpoint"]))
         ]
@@ -84,6 +85,17 @@ def test_ten_versions_direct_with_temporaries_packed_bit_exact() -> None:
     assert [e["fresh"] for e in sent] == [True] + [False] * 9  # the split kept throughout
     # once the trainer's allocator is steady, its counters vouch for every region
     assert min(int(str(e["checked"])) for e in sent[1:]) == 0, [e["checked"] for e in sent]
+
+
+def test_an_engine_loop_on_a_stream_of_its_own_still_commits_whole_versions() -> None:
+    """The engine serves inside ``torch.cuda.stream(s)``: the direct buckets it applies on
+    its loop (quick applies) must still go on the stream its commit waits for, or a commit
+    would be acked while copies still read the trainer, who steps right after each send."""
+    sent, got = run_fleet(10, engine_args=("--loop-stream",))
+    sent = [e for e in sent if e["event"] == "sent"]
+    assert [e["version"] for e in sent] == list(range(10))
+    for event in sent:
+        assert got[0][event["version"]] == event["digests"]
 
 
 def test_storage_replaced_and_empty_cache_between_versions_stay_bit_exact() -> None:

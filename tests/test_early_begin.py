@@ -118,6 +118,7 @@ async def test_a_changed_manifest_withdraws_the_guess_and_begins_again() -> None
         assert version_log(log) == ["begin", "read", "abort", "begin", "bucket"]
         assert receiver.current_version == 1
         assert receiver.failures == []  # a withdrawn begin is no failure of the engine's
+        assert receiver.withdrawn == 1
         assert receiver.servable
         log.clear()
         await sender.send(Logged(half, log), version=2)  # the new manifest is the guess now
@@ -227,10 +228,19 @@ async def direct_pair(
             yield pair
 
 
-async def test_a_kept_direct_split_sends_bucket_1_before_the_read() -> None:
+async def test_a_kept_direct_split_sends_bucket_1_before_the_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch.manual_seed(0)
     model, engine = Net(), Net()
     log: list[str] = []
+    confirm = BucketFanout._confirmed_first
+
+    def confirmed(self: BucketFanout, packed: _Packed | None) -> _Packed:
+        log.append("confirmed")
+        return confirm(self, packed)
+
+    monkeypatch.setattr(BucketFanout, "_confirmed_first", confirmed)
     async with direct_pair(model, ModuleSink(engine), log) as (receiver, sender):
         orders = []
         for version in range(4):
@@ -244,7 +254,7 @@ async def test_a_kept_direct_split_sends_bucket_1_before_the_read() -> None:
     assert orders[0] == ["read", "begin", "bucket"]  # nothing to guess from
     assert orders[1] == ["begin", "read", "bucket"]  # the split was new: kept from now on
     assert orders[2] == orders[3] == ["begin", "bucket"]  # bucket 1 before the read...
-    assert log.index("read") < log.index("complete")  # ...which confirms it
+    assert log[2:4] == ["read", "confirmed"]  # ...which then confirms it
 
 
 async def test_a_moved_tensor_withdraws_bucket_1_and_the_version_begins_again() -> None:
@@ -287,3 +297,35 @@ def test_bucket_1_as_read_must_be_the_bytes_sent_before() -> None:
     confirmed = fanout._confirmed_first(_Packed(1, 0, b"sent", BucketPlan()))
     assert confirmed.sent
     assert fanout._sent_first is None  # checked once
+
+
+async def test_a_bucket_1_sent_early_that_the_read_contradicts_fails_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fanout's last check, end to end: a bucket 1 sent early that is not the version's
+    fails that version; from then on bucket 1 goes after the read, and versions commit."""
+    import aiosync.pipeline.early_begin as early_begin
+    from aiosync.pipeline.fanout import kept_first_payload as right
+
+    torch.manual_seed(0)
+    model, engine = Net(), Net()
+    log: list[str] = []
+
+    def wrong(version: int, plan: BucketPlan) -> bytes | None:
+        return right(version + 100, plan)  # a message the read would not make
+
+    async with direct_pair(model, ModuleSink(engine), log) as (receiver, sender):
+        for version in range(3):
+            stepped(model, version)
+            await sender.send(tensors(model), version=version)
+        monkeypatch.setattr(early_begin, "kept_first_payload", wrong)
+        stepped(model, 3)
+        with pytest.raises(MismatchError, match="bucket 1 as read"):
+            await sender.send(tensors(model), version=3)
+        assert receiver.current_version == 2
+        log.clear()
+        await sender.send(Logged(tensors(model), log), version=3)
+        assert version_log(log) == ["begin", "read", "bucket"]  # bucket 1 after the read now
+        assert receiver.current_version == 3
+        assert receiver.servable
+        assert_same(state(engine), state(model))

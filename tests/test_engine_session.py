@@ -1101,6 +1101,7 @@ def test_a_withdrawn_begin_is_dropped_unrecorded_and_may_begin_again() -> None:
     stream(engine, 1, names=())  # the begin alone
     assert send(engine, Abort("manifest changed", 1, withdrawn=True)) == [Discard(1)]
     assert engine.failures == []
+    assert engine.withdrawn == 1  # counted, though not a failure
     assert engine.owner is None
     stream(engine, 1)
     finish(engine, 1, 2, 2)
@@ -1112,6 +1113,7 @@ def test_withdrawn_after_a_bucket_is_an_abort_like_any_other() -> None:
     stream(engine, 1, names=("a",))  # a bucket came: the sender cannot take it back quietly
     assert send(engine, Abort("manifest changed", 1, withdrawn=True)) == [Discard(1)]
     assert [f.version for f in engine.failures] == [1]
+    assert engine.withdrawn == 0
 
 
 def test_abort_of_a_prepared_version_discards_it() -> None:

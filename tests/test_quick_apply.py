@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from aiosync import ModuleSink
+from aiosync import ModuleSink, RejectedError
 from aiosync.core.engine_actions import Apply
 from aiosync.core.layout import TensorSpec
 from aiosync.core.wire import Region, ShmHandle
@@ -50,23 +50,92 @@ def test_ring_buckets_are_never_quick_and_the_memory_is_bounded(
     assert [quick.quick(apply_of(specs)) for specs in lists] == [False, False, True, True, True]
 
 
+def watched(sink: ModuleSink, where: list[set[bool]], fail: list[int]) -> ModuleSink:
+    """``sink`` noting, per version, whether each direct bucket ran on this (the loop's)
+    thread; it raises while ``fail`` holds a count above 0 (on the instance: the class
+    still says it applies quickly)."""
+    loop, own = threading.get_ident(), sink.apply_parts
+
+    def apply_parts(parts: list[Part]) -> None:
+        where[-1].add(threading.get_ident() == loop)
+        if fail and fail[0] > 0:
+            fail[0] -= 1
+            raise RuntimeError("device lost")
+        own(parts)
+
+    sink.apply_parts = apply_parts  # type: ignore[method-assign]
+    return sink
+
+
+async def stream_versions(
+    sink: ModuleSink, model: Net, engine: Net, versions: int, where: list[set[bool]]
+) -> list[int]:
+    """Stream ``versions`` in direct mode; the versions that failed."""
+    failed = []
+    async with direct_pair(model, sink) as (receiver, sender):
+        for version in range(versions):
+            stepped(model, version)
+            where.append(set())
+            try:
+                await sender.send(tensors(model), version=version)
+            except RejectedError:
+                failed.append(version)
+                continue
+            assert receiver.current_version == version
+            assert_same(state(engine), state(model))
+    return failed
+
+
 async def test_steady_direct_versions_are_applied_on_the_loop_bit_exact() -> None:
     torch.manual_seed(0)
     model, engine = Net(), Net()
-    loop = threading.get_ident()
     where: list[set[bool]] = []
+    sink = watched(ModuleSink(engine), where, [])
+    assert await stream_versions(sink, model, engine, 5, where) == []
+    assert where[0] == {False}  # first sightings: a worker thread
+    assert where[-1] == {True}  # a kept split, measured quick: on the loop
 
-    class Watched(ModuleSink):
+
+async def test_a_quick_apply_that_fails_goes_back_to_the_worker_thread() -> None:
+    torch.manual_seed(0)
+    model, engine = Net(), Net()
+    where: list[set[bool]] = []
+    fail = [0]
+    sink = watched(ModuleSink(engine), where, fail)
+    async with direct_pair(model, sink) as (receiver, sender):
+        for version in range(6):
+            stepped(model, version)
+            where.append(set())
+            if version == 3:  # this version's bucket fails, on the loop
+                fail[0] = 1
+                with pytest.raises(RejectedError, match="device lost"):
+                    await sender.send(tensors(model), version=version)
+                continue
+            await sender.send(tensors(model), version=version)
+            assert_same(state(engine), state(model))
+        assert receiver.current_version == 5
+    assert where[3] == {True}  # it failed on the loop
+    assert where[4] == {False}  # forgotten: the worker thread again, and it went through
+    assert where[5] == {True}  # measured quick there: back on the loop
+
+
+@pytest.mark.parametrize("kind", ["subclass", "staged", "renamed"])
+async def test_user_code_staging_and_renames_never_run_on_the_loop(kind: str) -> None:
+    torch.manual_seed(0)
+    model, engine = Net(), Net()
+    where: list[set[bool]] = []
+    loop = threading.get_ident()
+
+    class Own(ModuleSink):
         def apply_parts(self, parts: list[Part]) -> None:
             where[-1].add(threading.get_ident() == loop)
             super().apply_parts(parts)
 
-    async with direct_pair(model, Watched(engine)) as (receiver, sender):
-        for version in range(5):
-            stepped(model, version)
-            where.append(set())
-            await sender.send(tensors(model))
-            assert receiver.current_version == version
-            assert_same(state(engine), state(model))
-    assert where[0] == {False}  # first sightings: a worker thread
-    assert where[-1] == {True}  # a kept split, measured quick: on the loop
+    if kind == "subclass":
+        sink: ModuleSink = Own(engine)
+    else:
+        options = {"staged": True} if kind == "staged" else {"rename": lambda name: name}
+        sink = watched(ModuleSink(engine, **options), where, [])  # type: ignore[arg-type]
+    assert not sink.applies_quickly()
+    assert await stream_versions(sink, model, engine, 5, where) == []
+    assert set().union(*where) == {False}

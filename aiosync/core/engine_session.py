@@ -97,6 +97,7 @@ class EngineSession:
         self.servable = True
         self.failures: list[SyncFailure] = []  # the last ``max_failures``
         self.protocol_errors = 0
+        self.withdrawn = 0  # begins taken back before any bucket (not failures)
         self.sessions: dict[Peer, _Session] = {}
         self.owner: Peer | None = None  # the peer whose stream may touch the sink
         self.memory: StreamMemory | None = None  # the last whole stream, to replay
@@ -131,6 +132,7 @@ class EngineSession:
                 return []
             reason = shorten(message.reason, self.limits.max_name_length)
             quiet = message.withdrawn and stream.next_seq == 1  # nothing after its begin
+            self.withdrawn += quiet
             return self._fail_stream(peer, session, f"sender aborted: {reason}", record=not quiet)
         if isinstance(message, Goodbye):
             if message.session != session.session:

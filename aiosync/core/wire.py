@@ -284,7 +284,8 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     """Either way: the stream of ``version`` (or the session, when None) is abandoned.
 
     ``withdrawn`` (sender -> engine): a ``begin`` sent before the trainer read its tensors
-    is taken back before any bucket; the engine then records no failure for it.
+    is taken back (the read showed another version, or failed); an engine that received
+    nothing after that ``begin`` records no failure for it.
     """
 
     reason: str

@@ -3,23 +3,31 @@
 Handing a bucket to a worker thread and back costs 0.15-0.6 ms on the shared GPU hosts
 (docs/benchmarks.md), about the host work of a direct bucket whose split and copies are
 kept from the last version (its checks, about a microsecond a tensor, and one CUDA graph
-launch), and the worker then competes with the loop for the GIL. The engine times
-each direct bucket's apply (CPU time of the applying thread) by the spec list it was for:
-a kept bucket arrives with the very same list every version. One that took at most
-:data:`INLINE_APPLY` last time is applied on the loop this time; anything else, and any
-bucket not seen before, goes to the worker thread as always. A bucket that turns slow is
-measured on the loop too and goes back to the thread the next time.
+launch), and the worker then competes with the loop for the GIL. Only a sink that says so
+takes part (``applies_quickly()``: :class:`~aiosync.ModuleSink`'s own by-address copies,
+never a user's code, which may block or need a worker thread). The engine times each
+direct bucket's apply by its spec list, the very same list object every version while the
+split is kept: one that took at most :data:`INLINE_APPLY` last time (CPU time in a worker;
+on the loop, the longer of CPU and wall time) is applied on the loop this time, on the
+stream a worker thread would use (:func:`worker_stream`). A bucket not seen before, one
+that turned slow, and one whose apply failed go to the worker thread as always.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
 from aiosync.core.engine_actions import Apply
 
 INLINE_APPLY = 0.5e-3
-"""Seconds of host work up to which a direct bucket's apply runs on the event loop.
+"""Seconds of host work, last time, up to which a direct bucket's apply runs on the loop.
 
-At most about what a hop to a worker thread costs on those hosts: inline is then never
-slower, and the loop is held no longer than that.
+About what a hop to a worker thread costs on those hosts. It bounds what the loop is
+expected to be held, not what it is: a bucket that takes longer this time is applied on
+the loop all the same, and goes back to the worker from the next version on.
 """
 
 KEPT = 1024
@@ -39,6 +47,10 @@ class QuickApplies:
         seen = self._seconds.get(id(action.specs))
         return seen is not None and seen[0] is action.specs and seen[1] <= INLINE_APPLY
 
+    def forget(self, action: Apply) -> None:
+        """``action``'s apply failed: its bucket goes to the worker thread from now on."""
+        self._seconds.pop(id(action.specs), None)
+
     def note(self, action: Apply, seconds: float) -> None:
         """Remember how long ``action``'s apply took (direct buckets only)."""
         if not action.regions or action.held:
@@ -47,3 +59,18 @@ class QuickApplies:
         self._seconds[id(action.specs)] = (action.specs, seconds)
         while len(self._seconds) > KEPT:
             del self._seconds[next(iter(self._seconds))]
+
+
+@contextmanager
+def worker_stream(device: torch.device) -> Iterator[None]:
+    """Run the block on the CUDA stream a worker thread would use: ``device``'s default one.
+
+    Current streams are per thread in torch; the loop's may be an application's own (a
+    ``torch.cuda.stream`` block around the serving loop), and the sink's commit, in a worker
+    thread, waits for the default stream. Nothing changes for a CPU device.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(torch.cuda.default_stream(device)):
+        yield

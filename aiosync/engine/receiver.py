@@ -49,7 +49,7 @@ from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
-from aiosync.engine.quick_apply import QuickApplies
+from aiosync.engine.quick_apply import QuickApplies, worker_stream
 from aiosync.engine.sinks import WeightSink, apply_parts
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
@@ -95,6 +95,7 @@ class WeightReceiver:
         self._planes: dict[Peer, ReceiverPlane] = {}
         self._limiter = anyio.CapacityLimiter(1)
         self._quick = QuickApplies()  # direct buckets measured quick: applied on the loop
+        self._quick_sink = bool(getattr(sink, "applies_quickly", lambda: False)())
         self._committed = anyio.Event()
         self._leases = LeaseGate()
         self._swapper = Swapper(sink, self._leases, self.config, self._limiter)
@@ -137,6 +138,11 @@ class WeightReceiver:
     def protocol_errors(self) -> int:
         """Messages refused as malformed or out of order."""
         return self._machine.protocol_errors if self._machine else 0
+
+    @property
+    def withdrawn(self) -> int:
+        """Begins that a sender took back before any bucket (no failures; docs/protocol.md)."""
+        return self._machine.withdrawn if self._machine else 0
 
     @property
     def sessions(self) -> int:
@@ -359,12 +365,14 @@ class WeightReceiver:
         if isinstance(action, Apply):
             try:
                 plane = self._planes[action.peer]
-                if self._quick.quick(action):  # a kept direct bucket: no hop (quick_apply)
-                    self._apply(plane, action)
+                if self._quick_sink and self._quick.quick(action):  # no hop (quick_apply)
+                    with worker_stream(self.sink.device):
+                        self._apply(plane, action, on_loop=True)
                 else:
                     apply = functools.partial(self._apply, plane, action)
                     await anyio.to_thread.run_sync(apply, limiter=self._limiter)
             except Exception as exc:
+                self._quick.forget(action)
                 return machine.apply_failed(action.peer, action.seq, apply_error(action, exc))
             return machine.applied(action.peer, action.seq, time.monotonic())
         if isinstance(action, Discard):
@@ -381,13 +389,13 @@ class WeightReceiver:
             log.warning("%s", action.text)
         return []
 
-    def _apply(self, plane: ReceiverPlane, action: Apply) -> None:
-        """Hand the sink the bucket's bytes and specs (a worker thread).
+    def _apply(self, plane: ReceiverPlane, action: Apply, on_loop: bool = False) -> None:
+        """Hand the sink the bucket's bytes and specs (a worker thread, or ``on_loop``).
 
         A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
-        Its CPU time is noted: a direct bucket that was quick is applied on the loop next time.
+        Its time is noted: a direct bucket that was quick goes on the loop next time.
         """
-        started = time.thread_time()
+        started, wall = time.thread_time(), time.perf_counter()
         with ordered_apply(plane, action.buffer):
             parts = view_parts(plane, action)
             if len(parts) > 1 and not action.held:  # a direct bucket's regions: one call
@@ -395,7 +403,10 @@ class WeightReceiver:
             else:
                 for bucket, specs in held_or_parts(self.held, parts, action):
                     self.sink.apply_bucket(bucket, specs)
-        self._quick.note(action, time.thread_time() - started)
+        seconds = time.thread_time() - started
+        if on_loop:  # what the loop was held, waits included
+            seconds = max(seconds, time.perf_counter() - wall)
+        self._quick.note(action, seconds)
 
     async def _committed_hook(self, version: int) -> None:
         log.info("committed version %d", version)

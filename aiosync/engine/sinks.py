@@ -5,7 +5,8 @@ checks every version and bucket against before any memory is touched. It is then
 from one worker thread: :meth:`WeightSink.apply_bucket` with a bucket's bytes (a flat
 ``uint8`` view of the data plane, valid only during the call) and the checked specs saying
 where each tensor lies in them, then :meth:`WeightSink.commit` or :meth:`WeightSink.abort`
-at the end of the version.
+at the end of the version. (A sink that says ``applies_quickly()`` may have a direct
+bucket applied on the event loop instead: :mod:`aiosync.engine.quick_apply`.)
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class WeightSink(Protocol):
     - ``commit_quickly(version) -> bool``, tried on the event loop before :meth:`commit`
       runs in a worker thread: True when it committed without moving bytes (a pointer
       swap, :meth:`ModuleSink.commit_quickly`);
+    - ``applies_quickly() -> bool``: True lets the receiver apply a kept direct bucket that
+      was quick last time on its event loop (:meth:`ModuleSink.applies_quickly`);
     - ``part_devices``, for a sink made of one sink per trainer rank: the device each part
       of a gathered plane is opened on (:attr:`aiosync.topology.RankedSink.part_devices`);
     - ``apply_parts(parts)``, one call for a bucket that comes in several (bytes, specs)
@@ -255,6 +258,18 @@ class ModuleSink:
             if specs:
                 self._copy_specs(bucket, specs)
         sync_cuda(self._devices)
+
+    def applies_quickly(self) -> bool:
+        """Whether a kept direct bucket's apply may run on the receiver's event loop.
+
+        True for this class's own in-place copies by address without a rename
+        (:mod:`aiosync.engine.quick_apply` then decides bucket by bucket, by their measured
+        time); False for a staged or renaming sink and for a subclass that overrides how
+        buckets are applied (its code may block, or need a worker thread).
+        """
+        own = type(self).apply_parts is ModuleSink.apply_parts
+        own = own and type(self).apply_bucket is ModuleSink.apply_bucket
+        return own and self._staging is None and self._rename is None
 
     def _copy_specs(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         """Copy ``specs`` out of ``bucket`` one by one (renamed, tied, cast, staged, ...)."""

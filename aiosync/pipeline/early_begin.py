@@ -6,7 +6,9 @@ both before its first copy (docs/benchmarks.md). A trainer usually sends the sam
 dtypes and shapes every version, so the sender guesses that this version's manifest is the
 last one's and sends that ``begin`` first: the engine wakes and checks it while the trainer
 reads its tensors. If the read shows another manifest, or fails, the guess is withdrawn
-(an ``abort`` of the version, nothing applied yet) and the version begins again as usual.
+(an ``abort`` of the version) and the version begins again as usual. In direct mode a kept
+bucket 1 may have gone with the ``begin`` (see :func:`begin_early`): an engine then applied
+it before the withdrawal, which it treats as any abort.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class EarlyBegin:
                 with anyio.move_on_after(WITHDRAW_TIMEOUT):
                     try:
                         await link.channel.send(message)
-                    except AiosyncError as exc:
+                    except Exception as exc:  # the engine may be gone: it drops the stream
                         log.info("could not withdraw the begin from %s: %s", link.name, exc)
 
 

@@ -54,6 +54,13 @@ class _Packed:
     sent: bool = False  # went out before the read (pipeline.early_begin): acks only
 
 
+class EarlyBucketMismatch(MismatchError):
+    """Bucket 1 as the read planned it is not the message sent before the read.
+
+    The version fails (the engines drop it); a sender then stops sending bucket 1 early.
+    """
+
+
 def bucket_payload(
     version: int, seq: int, index: int, plan: BucketPlan, slots: list[Slot] | None
 ) -> bytes:
@@ -235,11 +242,12 @@ class BucketFanout:
         """Bucket 1 as read, marked sent: it must be the very message sent before the read.
 
         (The sender sends it early only where the read reuses the same plan; this is the
-        check that the bytes the engines already have are the version's.)
+        check that the bytes the engines already have are the version's.) Raises
+        :class:`EarlyBucketMismatch` otherwise.
         """
         sent, self._sent_first = self._sent_first, None
         if packed is None or packed.seq != 1 or packed.payload != sent:
-            raise MismatchError(
+            raise EarlyBucketMismatch(
                 "bucket 1 as read is not the one sent before the read", version=self.version
             )
         return replace(packed, sent=True)

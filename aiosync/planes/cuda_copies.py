@@ -172,7 +172,7 @@ class DeviceCopies:
         self.batches: Counter[str] = Counter()
         """How each batch went: ``graph`` (launched), ``gated`` (a graph asked for while a
         gate had not fired: copy by copy), ``unseen`` (asked for, but no graph made yet or
-        too few copies for one), ``copies`` (no graph asked for)."""
+        too few copies for one), ``copies`` (no graph asked for, or graphs off)."""
 
     def queue(self, jobs: Sequence[CopyJob], stream: torch.cuda.Stream) -> None:
         """Queue ``jobs`` so that, to later work on ``stream``, they ran on ``stream``.

@@ -41,6 +41,7 @@ from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
 from aiosync.pipeline.ahead import read_ahead, read_here
 from aiosync.pipeline.early_begin import EarlyBegin, begin_early
+from aiosync.pipeline.fanout import EarlyBucketMismatch
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
 from aiosync.pipeline.stream import StreamRun, may_begin_early
@@ -103,6 +104,7 @@ class WeightSender:
         # the manifest the last committed version's begin carried: the next one's guess,
         # whose begin goes before the read (pipeline.early_begin)
         self._begun_with: list[TensorMeta] | None = None
+        self._first_early = True  # a kept direct bucket 1 may go with that begin
 
     @property
     def engines(self) -> list[str]:
@@ -367,6 +369,9 @@ class WeightSender:
             report = await run.run(read.plans)
         except BaseException as group:
             exc = unwrap_group(group)
+            if isinstance(exc, EarlyBucketMismatch):  # never again: bucket 1 after the read
+                log.warning("version %d: %s; bucket 1 goes after the read now", version, exc)
+                self._first_early = False
             if exc is group:
                 raise
             raise exc from None
@@ -407,7 +412,7 @@ class WeightSender:
         if not may_begin_early(len(self._links), policy, plane):
             return None
         first = None
-        if self._direct is not None and self._may_read_here(manifest):
+        if self._direct is not None and self._first_early and self._may_read_here(manifest):
             first = self._direct.kept_first()  # a kept read hands out the same plan
         return await begin_early(list(self._links.values()), version, guess, first)
 
