@@ -260,10 +260,10 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
 
     def apply(orig: Any) -> Any:
         @functools.wraps(orig)
-        def wrapped(self: Any, plane: Any, action: Any) -> None:
+        def wrapped(self: Any, plane: Any, action: Any, **kwargs: Any) -> None:
             rec.seq = action.seq
             rec.mark("apply0", action.seq)
-            orig(self, plane, action)
+            orig(self, plane, action, **kwargs)
             rec.mark("apply1", action.seq)
 
         return wrapped
