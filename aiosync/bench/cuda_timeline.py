@@ -85,6 +85,9 @@ def engine(args: argparse.Namespace) -> None:
     mode = timeline_switches.old_copies_switch()
 
     async def serve() -> None:
+        from aiosync.engine import quick_apply
+
+        inline_apply = quick_apply.INLINE_APPLY
         async with WeightReceiver(sink) as receiver:
             quick = receiver._quick.quick
             _say({"endpoint": receiver.endpoint})
@@ -104,6 +107,7 @@ def engine(args: argparse.Namespace) -> None:
                     inline.clear()
                     inline.update(["_apply"] if "i" in mode else [])
                     never = "q" in mode  # every apply in a worker thread, as before
+                    quick_apply.INLINE_APPLY = 1e-3 if "l" in mode else inline_apply
                     receiver._quick.quick = (lambda _: False) if never else quick  # type: ignore[method-assign,assignment]
                     _say({"mode": sorted(mode)})
                 elif words[0] == "dump":
@@ -262,9 +266,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
     batch of copies copy by copy (no CUDA graphs); ``e`` sends each ``begin`` after the read
     (no early begin); ``b`` sends a direct bucket 1 after the read, not with the begin;
-    ``q`` has the engine apply every bucket in a worker thread (no quick applies).
+    ``q`` has the engine apply every bucket in a worker thread (no quick applies), ``l``
+    inline up to 1 ms of host work, not 0.5.
     """
-    shape = variant.rstrip("iodfsgwtnebq")
+    shape = variant.rstrip("iodfsgwtnebql")
     return shape, sorted(set(variant[len(shape) :]))
 
 
