@@ -35,7 +35,7 @@ KEPT = 1024
 
 
 class QuickApplies:
-    """The last apply's CPU seconds of each direct bucket, by the identity of its spec list."""
+    """How long each direct bucket's last apply took, by the identity of its spec list."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, tuple[object, float]] = {}  # id -> (the list, seconds)
