@@ -353,13 +353,11 @@ class BucketFanout:
         """
         inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count + 1)
         try:
-            if begin is not None:
-                head = _Packed(0, BEGIN, begin, BucketPlan())
-                if self._begun:  # sent before the read: only its ack is still due
-                    inflight_tx.send_nowait(head)
-                else:
+            if begin is not None:  # sent already with ``begun``: only its ack is due
+                if not self._begun:
                     self._open(link)
-                    await self._send_one(link, head, inflight_tx)
+                head = _Packed(0, BEGIN, begin, BucketPlan(), sent=self._begun)
+                await self._send_one(link, head, inflight_tx)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._send_loop, link, outbox, inflight_tx)
                 await self._ack_loop(link, inflight_rx, ledger, free)
@@ -406,7 +404,7 @@ class BucketFanout:
     async def _send_one(
         self, link: EngineLink, packed: _Packed, inflight: Sending[_Packed]
     ) -> None:
-        if packed.sent:  # before the read, with the begin: only its ack is due
+        if packed.sent:  # before the read (pipeline.early_begin): only its ack is due
             inflight.send_nowait(packed)
             return
         tensor = packed.plan.first_name
