@@ -12,7 +12,12 @@ spin while the copies are queued, so host queueing is not counted), median of
 - ``foreach``: ``torch._foreach_copy_``;
 - ``graph_N``: the copies as one CUDA graph (:class:`~aiosync.planes.cuda_graphs.CopyGraph`)
   in N independent chains, launched with one call (``graph_free``: no chains, every copy
-  independent); ``build_ms``: the host time to make the graph.
+  independent); ``build_ms``: the host time to make the graph;
+- ``buckets_K_serial``: the copies cut in K buckets in order (as direct mode's buckets), a
+  4-chain graph each, launched one after another on one stream (each bucket's tail idles
+  the GPU's other chains); ``buckets_K_overlap_S``: the same graphs launched on S streams
+  in turn, each stream waiting only for the start, so a bucket's tail overlaps the next
+  one's start.
 
 Prints one JSON object: milliseconds and the ratio to ``flat`` per path, and the host time
 to queue each.
@@ -55,6 +60,24 @@ def _times(run: Callable[[], None], repeats: int) -> tuple[float, float]:
     return statistics.median(gpu[1:]), statistics.median(host[1:])
 
 
+def _serial(graphs: list[CopyGraph]) -> None:
+    stream = torch.cuda.current_stream()
+    for graph in graphs:
+        graph.launch(stream)
+
+
+def _overlap(graphs: list[CopyGraph], streams: list[torch.cuda.Stream]) -> None:
+    stream = torch.cuda.current_stream()
+    fork = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    fork.record(stream)
+    for k, graph in enumerate(graphs):
+        side = streams[k % len(streams)]
+        side.wait_event(fork)
+        graph.launch(side)
+    for side in streams:
+        stream.wait_stream(side)
+
+
 def measure(repeats: int) -> dict[str, Any]:
     """Every path over Llama-3-8B's bf16 tensors on the current GPU."""
     shapes = [shape for _, shape in llama_layout(*LLAMA3_8B)]
@@ -83,6 +106,16 @@ def measure(repeats: int) -> dict[str, Any]:
         name = f"graph_{lanes}" if lanes else "graph_free"
         built[name] = (time.perf_counter() - t0) * 1e3
         paths[name] = functools.partial(graph.launch, torch.cuda.current_stream())
+    for k in (4, 8):
+        cut = [len(jobs) * i // k for i in range(k + 1)]
+        graphs = [
+            CopyGraph(jobs[a:b], torch.cuda.current_device(), deal(sizes[a:b], 4))
+            for a, b in zip(cut, cut[1:], strict=False)
+        ]
+        paths[f"buckets_{k}_serial"] = functools.partial(_serial, graphs)
+        for width in (2, 4):
+            streams = [torch.cuda.Stream() for _ in range(width)]
+            paths[f"buckets_{k}_overlap_{width}"] = functools.partial(_overlap, graphs, streams)
     out: dict[str, Any] = {
         "bytes": total,
         "tensors": len(sizes),
