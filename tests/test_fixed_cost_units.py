@@ -19,11 +19,12 @@ import torch
 
 from aiosync import SenderConfig
 from aiosync.core.engine_actions import CommitSink
+from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.stream_state import LIGHT_ENTRIES
 from aiosync.core.trainer_session import Policy
-from aiosync.core.wire import Ack, Begin, Bucket, Commit, Complete, Slot, encode
-from aiosync.pipeline.begin import _MANIFESTS, _RawBegin
+from aiosync.core.wire import Ack, Begin, Bucket, Commit, Complete, Slot, decode, encode
+from aiosync.pipeline.begin import _MANIFESTS, _RawBegin, encode_begin
 from aiosync.pipeline.stream import StreamRun
 from tests.test_engine_session import (
     MANIFEST,
@@ -60,6 +61,16 @@ def test_a_begin_from_kept_manifest_bytes_is_the_same_message(
     assert msgspec.msgpack.encode(_RawBegin(7, raw, **flags)) == encode(Begin(7, manifest, **flags))
 
 
+def test_a_begin_carrying_bucket_1_from_its_encoded_bytes_is_the_same_message() -> None:
+    bucket = Bucket(7, 1, 2, 512, slots=[Slot(0, 0, 16)], regions=[])
+    payload, carried = encode_begin(
+        7, LLAMA, {"empty": False, "rebase": False}, [Limits()], encode(bucket)
+    )
+    assert carried is LLAMA
+    assert payload == encode(Begin(7, LLAMA, first=bucket))
+    assert decode(payload) == Begin(7, LLAMA, first=bucket)
+
+
 def test_the_manifests_bytes_are_kept_by_identity_only() -> None:
     manifest = list(LLAMA)
     kept = _MANIFESTS.put(manifest)
@@ -84,6 +95,30 @@ def test_an_unchanged_manifest_is_light_and_a_changed_one_is_not() -> None:
     assert not engine.light(PEER, Begin(1, changed))
     assert not engine.light(PEER, Begin(1, None))
     assert not engine.light(PEER, Bucket(1, 1, 0, 512, slots=[Slot(0, 0, 16)]))
+
+
+class _CountedList(list[TensorMeta]):
+    """A decoded manifest that counts how often it is compared entry by entry."""
+
+    compared = 0
+
+    def __ne__(self, other: object) -> bool:
+        type(self).compared += 1
+        return list.__ne__(self, other)  # type: ignore[arg-type]
+
+
+def test_a_begin_s_unchanged_manifest_is_compared_once_for_triage_and_opening() -> None:
+    engine = connected(model())
+    stream(engine, 0, manifest=MANIFEST)
+    send(engine, Complete(0, 3, 2, 2))
+    send(engine, Commit(0, 4))
+    decoded = _CountedList(MANIFEST)
+    assert engine.light(PEER, Begin(1, decoded))
+    assert ack_of(send(engine, Begin(1, decoded))).ok  # the stream opens, replaying
+    assert _CountedList.compared == 1
+    other = _CountedList([MANIFEST[0], TensorMeta("b", "float32", (5,))])
+    assert not engine.light(PEER, Begin(2, other))  # a changed one is still compared
+    assert _CountedList.compared == 2
 
 
 def test_a_manifest_past_the_light_bound_is_never_light() -> None:

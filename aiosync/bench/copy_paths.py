@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -110,11 +111,11 @@ def measure(repeats: int) -> dict[str, Any]:
         cut = [len(jobs) * i // k for i in range(k + 1)]
         graphs = [
             CopyGraph(jobs[a:b], torch.cuda.current_device(), deal(sizes[a:b], 4))
-            for a, b in zip(cut, cut[1:], strict=False)
+            for a, b in itertools.pairwise(cut)
         ]
         paths[f"buckets_{k}_serial"] = functools.partial(_serial, graphs)
         for width in (2, 4):
-            streams = [torch.cuda.Stream() for _ in range(width)]
+            streams = [torch.cuda.Stream() for _ in range(width)]  # type: ignore[no-untyped-call]
             paths[f"buckets_{k}_overlap_{width}"] = functools.partial(_overlap, graphs, streams)
     out: dict[str, Any] = {
         "bytes": total,

@@ -66,10 +66,18 @@ class StreamMemory:
     totals: list[int]  # each manifest entry's bytes
     records: list[_Record]
     tensors: int
+    # the last other list found equal, held (its id is not reused): asked again about the
+    # same list (a begin's triage, then its stream's opening), no entry is compared again
+    _equal: list[list[TensorMeta]] = field(default_factory=list, compare=False, repr=False)
 
     def same_manifest(self, manifest: list[TensorMeta]) -> bool:
         """Whether ``manifest`` equals this one, entry for entry (a difference: False)."""
-        return manifest is self.manifest or manifest == self.manifest
+        if manifest is self.manifest or (self._equal and manifest is self._equal[0]):
+            return True
+        if manifest != self.manifest:
+            return False
+        self._equal[:] = [manifest]
+        return True
 
 
 def open_stream(

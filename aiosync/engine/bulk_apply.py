@@ -52,6 +52,7 @@ class CopyProgram:
     targets: list[int] = field(default_factory=list)  # where each copy goes
     offsets: list[int] = field(default_factory=list)  # where it comes from, in the bucket
     sizes: list[int] = field(default_factory=list)
+    jobs: list[CopyJob] | None = None  # (target, offset, size) of each, made on first use
 
 
 @dataclass
@@ -120,38 +121,45 @@ class CopyPrograms:
         queued in one loop; on CUDA the device and stream are set up once for all. Returns
         each part with the specs left over (in the order given; empty where all were copied).
         """
-        first = parts[0][0] if parts else None
-        if first is None or not (first.is_cuda or first.is_cpu):
+        if not parts:
             return parts
-        cuda = first.is_cuda
-        if any(bucket.device != first.device for bucket, _ in parts):
-            return parts
-        if not cuda and sum(len(specs) for _, specs in parts) < MIN_SPECS:
-            return parts
+        first = parts[0][0]
         key = id(parts[0][1])
         kept = self._programs.get(key)
-        if kept is None or not kept.fits(parts):
-            device = first.device if cuda else None
-            kept = self._programs[key] = _Parts([_make(s, target, device) for _, s in parts])
-        self._used.add(key)
         bases = [bucket.data_ptr() for bucket, _ in parts]
-        if bases != kept.bases:
+        # the same spec lists at the same addresses are the same memory (one address
+        # space, CUDA's unified addressing included): the device checks held when it was
+        # merged; anything else is checked again
+        if kept is None or bases != kept.bases or not kept.fits(parts):
+            if not (first.is_cuda or first.is_cpu):
+                return parts
+            if any(bucket.device != first.device for bucket, _ in parts):
+                return parts
+            if not first.is_cuda and sum(len(specs) for _, specs in parts) < MIN_SPECS:
+                return parts
+            if kept is None or not kept.fits(parts):
+                device = first.device if first.is_cuda else None
+                programs = [_make(s, target, device) for _, s in parts]
+                kept = self._programs[key] = _Parts(programs)
             kept.merge(bases)
+        self._used.add(key)
         merged = kept.merged
         jobs = _jobs(merged)
-        if cuda:
+        if first.is_cuda:
             self._device_copies(first.device).queue(jobs, torch.cuda.current_stream(first.device))
         else:
             for job in jobs:
                 address_copy(*job)
         done = len(jobs)
+        if done == len(merged.tensors):
+            pairs = zip(parts, kept.programs, strict=True)
+            return [(bucket, program.rest) for (bucket, _), program in pairs]
+        del self._programs[key]  # a destination moved: the program is made again
         left: list[list[TensorSpec]] = [[] for _ in parts]
-        if done < len(merged.tensors):  # a destination moved: the program is made again
-            del self._programs[key]
-            for k, spec in zip(kept.part_of[done:], merged.copied[done:], strict=True):
-                left[k].append(spec)
+        for k, spec in zip(kept.part_of[done:], merged.copied[done:], strict=True):
+            left[k].append(spec)
         return [
-            (bucket, rest + program.rest if rest else program.rest)
+            (bucket, rest + program.rest)
             for (bucket, _), program, rest in zip(parts, kept.programs, left, strict=True)
         ]
 
@@ -177,6 +185,13 @@ def _jobs(program: CopyProgram) -> list[CopyJob]:
     A destination moved if its storage's address changed, or it became a strided view
     (``p.data = p.data.t()`` keeps the address), since the program was made.
     """
+    tensors = program.tensors
+    if [t.data_ptr() for t in tensors] == program.pointers and all(
+        t.is_contiguous() for t in tensors
+    ):  # as made: one comparison a property, no loop of Python statements
+        if program.jobs is None:
+            program.jobs = list(zip(program.targets, program.offsets, program.sizes, strict=True))
+        return program.jobs
     jobs: list[CopyJob] = []
     for tensor, pointer, target, offset, size in zip(
         program.tensors,

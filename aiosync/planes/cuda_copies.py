@@ -182,7 +182,6 @@ class DeviceCopies:
         gates, one_stream, hinted = _take_gates(), _take_one_stream(), _take_graph()
         if not jobs:
             return
-        sizes = [nbytes for _, _, nbytes in jobs]
         with self._lock, torch.cuda.device(self.device):
             lanes = 1 if one_stream or self.width < 2 else GRAPH_LANES
             may = hinted and self._may_graph(gates)
@@ -192,6 +191,7 @@ class DeviceCopies:
                 graph.launch(stream)
                 return
             self.batches["unseen" if may else "gated" if hinted and self.graphs else "copies"] += 1
+            sizes = [nbytes for _, _, nbytes in jobs]
             if one_stream or self.width < 2 or len(jobs) < 2 or sum(sizes) < SPREAD_MIN_BYTES:
                 handle = stream.cuda_stream
                 for dst, src, nbytes in jobs:
