@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender, share_tensors
+from aiosync.core import engine_session
 from aiosync.core.errors import MismatchError
 from aiosync.core.layout import BucketPlan
 from aiosync.core.trainer_session import FleetVote, Policy
-from aiosync.core.wire import decode
+from aiosync.core.wire import Begin, Bucket, Message, decode
 from aiosync.pipeline.fanout import BucketFanout, _Packed
 from tests.models import assert_same, mixed_weights, zeros_like
 
@@ -57,8 +58,11 @@ def record_sends(sender: WeightSender, log: list[str], tagged: bool = False) -> 
         async def recorded(
             payload: bytes, send: Callable[..., Any] = send, name: str = name
         ) -> None:
-            kind = type(decode(payload)).__name__.lower()
-            log.append(f"{kind}@{name}" if tagged else kind)
+            message = decode(payload)
+            kinds = [type(message).__name__.lower()]
+            if isinstance(message, Begin) and message.first is not None:
+                kinds.append("bucket")  # bucket 1 inside the begin's message
+            log.extend(f"{kind}@{name}" if tagged else kind for kind in kinds)
             await send(payload)
 
         channel.send = recorded
@@ -255,6 +259,44 @@ async def test_a_kept_direct_split_sends_bucket_1_before_the_read(
     assert orders[1] == ["begin", "read", "bucket"]  # the split was new: kept from now on
     assert orders[2] == orders[3] == ["begin", "bucket"]  # bucket 1 before the read...
     assert log[2:4] == ["read", "confirmed"]  # ...which then confirms it
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_bucket_1_rides_in_the_begin_only_with_an_engine_of_protocol_3(
+    protocol: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_session, "PROTOCOL_MAX", protocol)  # the engine chooses
+    torch.manual_seed(0)
+    model, engine = Net(), Net()
+    async with direct_pair(model, ModuleSink(engine)) as (receiver, sender):
+        sent: list[Message] = []
+        for link in sender._links.values():
+            channel: Any = link.channel
+            send = channel.send
+
+            async def recorded(payload: bytes, send: Callable[..., Any] = send) -> None:
+                sent.append(decode(payload))
+                await send(payload)
+
+            channel.send = recorded
+        for version in range(4):
+            stepped(model, version)
+            sent.clear()
+            await sender.send(tensors(model))
+            assert_same(state(engine), state(model))
+        assert receiver.failures == []
+    begin = sent[0]
+    assert isinstance(begin, Begin)
+    assert receiver.current_version == 3
+    if protocol == 3:  # one message: the begin carries bucket 1
+        assert begin.first is not None
+        assert begin.first.seq == 1
+        assert begin.first.regions
+        assert not any(isinstance(m, Bucket) and m.seq == 1 for m in sent)
+    else:  # two messages, one after the other
+        assert begin.first is None
+        assert isinstance(sent[1], Bucket)
+        assert sent[1].seq == 1
 
 
 async def test_a_moved_tensor_withdraws_bucket_1_and_the_version_begins_again() -> None:

@@ -1309,3 +1309,23 @@ def test_a_remembered_manifest_still_meets_the_version_checks() -> None:
     ack = reply(send(engine, Begin(2, bigger)))
     assert isinstance(ack, Ack)
     assert ack.tensor == "c"
+
+
+def test_a_begin_carrying_bucket_1_is_taken_as_the_two_messages_in_a_row() -> None:
+    """Protocol 3's ``Begin.first``: the same actions as the begin, then the bucket."""
+    apart, together = connected(model()), connected(model())
+    bucket = by_slots(0, 1, [Slot(0, 0, 16)])
+    two = send(apart, Begin(0, MANIFEST)) + send(apart, bucket)
+    one = send(together, Begin(0, MANIFEST, first=bucket))
+    assert one == two
+    assert replies(one) == [Ack(0, 0, True), Ack(0, 1, True)]
+    assert len(applies(one)) == 1
+
+
+def test_a_refused_begin_refuses_the_bucket_it_carries_and_applies_nothing() -> None:
+    engine = connected(model(), current=5)
+    first = by_slots(3, 1, [Slot(0, 0, 16)])
+    actions = send(engine, Begin(3, MANIFEST, first=first))  # behind the engine: refused
+    acks = [m for m in replies(actions) if isinstance(m, Ack)]
+    assert [(a.seq, a.ok) for a in acks] == [(0, False), (1, False)]
+    assert not applies(actions)

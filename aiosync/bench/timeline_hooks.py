@@ -254,6 +254,8 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
                     rec.version = version
                 kind = "recv_" + type(message).__name__.lower()
                 rec.marks.append((when, kind, rec.version, getattr(message, "seq", None)))
+                if getattr(message, "first", None) is not None:  # bucket 1 in the begin
+                    rec.marks.append((when, "recv_bucket", rec.version, 1))
             return message
 
         return wrapped

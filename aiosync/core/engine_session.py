@@ -45,6 +45,7 @@ from aiosync.core.wire import (
     Message,
     Ping,
     Ready,
+    split_begin,
 )
 
 
@@ -119,7 +120,9 @@ class EngineSession:
         if isinstance(message, Ping):
             return []
         if isinstance(message, Begin):
-            return self._on_begin(peer, session, message, now)
+            head, first = split_begin(message)
+            actions = self._on_begin(peer, session, head, now)
+            return actions if first is None else actions + self.receive(peer, first, now)
         if isinstance(message, Bucket):
             return self._on_bucket(peer, session, message)
         if isinstance(message, Complete):

@@ -9,6 +9,7 @@ One version, as seen by one engine::
     Hello(protocol range, data plane)  ->  Ready(protocol, version)     once per session
     Begin(version, manifest)           ->  Ack(seq 0: accepted | refused)
     Bucket(version, seq 1..n)          ->  Ack(seq: applied | refused)
+        (protocol 3: bucket 1 may ride in the begin, ``Begin.first``; the same two acks)
     Complete(version, seq n+1)         ->  Ack(prepared: whole and checked | refused)
     Commit(version, seq n+2)           ->  Ack(committed)
 
@@ -25,8 +26,11 @@ from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 2
-"""The range of protocol versions this build speaks (bumped when a message changes shape)."""
+PROTOCOL_MAX = 3
+"""The range of protocol versions this build speaks (bumped when a message changes shape).
+
+3: ``Begin.first`` (bucket 1 in the begin's message), sent only to engines that chose 3.
+"""
 
 
 class ShmHandle(msgspec.Struct, frozen=True, tag="shm"):
@@ -211,13 +215,23 @@ class Begin(msgspec.Struct, frozen=True, tag="begin"):
 
     ``empty``: the sender means to send no tensor at all (refused unless said). ``rebase``:
     the sender restarts the numbering (a trainer back from a checkpoint); the engine takes
-    it only if its limits allow.
+    it only if its limits allow. ``first`` (protocol 3): the version's bucket 1 in the same
+    message, taken exactly as if it followed the begin (a direct bucket sent before the
+    trainer's read: one message for the engine to wake for and decode, not two).
     """
 
     version: int
     manifest: list[TensorMeta] | None = None
     empty: bool = False
     rebase: bool = False
+    first: Bucket | None = None
+
+
+def split_begin(begin: Begin) -> tuple[Begin, Bucket | None]:
+    """``begin`` without the bucket 1 it carries (``first``), and that bucket (or None)."""
+    if begin.first is None:
+        return begin, None
+    return msgspec.structs.replace(begin, first=None), begin.first
 
 
 class Slot(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -44,7 +44,7 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.wire import Message, decode, encode
+from aiosync.core.wire import Begin, Message, decode, encode, split_begin
 from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
@@ -299,8 +299,15 @@ class WeightReceiver:
         except ProtocolError as exc:
             log.debug("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
+        first = None
+        if isinstance(message, Begin):  # bucket 1 in the begin: two messages in a row
+            message, first = split_begin(message)
         plane, in_thread = self._planes.get(peer), walks_tensors(message)
-        return await receive_through_plane(plane, machine, peer, message, in_thread)
+        actions = await receive_through_plane(plane, machine, peer, message, in_thread)
+        if first is not None:
+            plane, in_thread = self._planes.get(peer), walks_tensors(first)
+            actions += await receive_through_plane(plane, machine, peer, first, in_thread)
+        return actions
 
     # --- carrying out actions ---------------------------------------------------------
 

@@ -24,6 +24,7 @@ class _RawBegin(msgspec.Struct, frozen=True, tag="begin"):
     manifest: msgspec.Raw | None = None
     empty: bool = False
     rebase: bool = False
+    first: msgspec.Raw | None = None
 
 
 class _ManifestBytes:
@@ -54,24 +55,26 @@ def encode_begin(
     manifest: list[TensorMeta] | None,
     flags: dict[str, bool],
     limits: Sequence[Limits],
+    first: bytes | None = None,
 ) -> tuple[bytes, list[TensorMeta] | None]:
     """The encoded ``begin`` and the manifest it carries (None past an engine's ``limits``).
 
-    The manifest's bytes are kept: the next version with the same manifest list reuses
-    them.
+    ``first``: bucket 1's encoded message, carried in the begin (``Begin.first``). The
+    manifest's bytes are kept: the next version with the same manifest list reuses them.
     """
     raw = None
     if manifest is not None:
         raw = _MANIFESTS.get(manifest)
         if raw is None:
             raw = _MANIFESTS.put(manifest)
-    payload = msgspec.msgpack.encode(_RawBegin(version, raw, **flags))
+    bucket = None if first is None else msgspec.Raw(first)
+    payload = msgspec.msgpack.encode(_RawBegin(version, raw, first=bucket, **flags))
     too_many = len(manifest or ()) > min(x.max_manifest_tensors for x in limits)
     if manifest is not None and (
         too_many or len(payload) > min(x.max_message_bytes for x in limits)
     ):
         log.info("version %d goes without a manifest (past an engine's limits)", version)
-        return encode(Begin(version, None, **flags)), None
+        return encode(Begin(version, None, flags["empty"], flags["rebase"])), None
     return payload, manifest
 
 

@@ -95,8 +95,10 @@ async def begin_early(
 ) -> EarlyBegin | None:
     """Send ``version``'s ``begin`` with manifest ``guess`` to every link, or to none.
 
-    With ``first`` (a direct plan the last version's split made, kept), bucket 1 follows
-    each ``begin``: the engines then start copying while the trainer checks its tensors.
+    With ``first`` (a direct plan the last version's split made, kept), bucket 1 goes with
+    each ``begin``: inside its message where every engine speaks protocol 3 (one message
+    to wake for and decode), else right after it. The engines then start copying while
+    the trainer checks its tensors.
     None where nothing can go now: an engine would not take the manifest whole (the
     version then goes without one), an engine is not behind ``version``, a link is a REQ
     socket (one message at a time), or a send failed (the ones that went are withdrawn).
@@ -106,10 +108,17 @@ async def begin_early(
         remote = link.session.remote_version
         if link.window is not None or (remote is not None and version <= remote):
             return None
-    payload, carried = encode_begin(version, guess, {"empty": False, "rebase": False}, limits)
+    flags = {"empty": False, "rebase": False}
+    bucket = None if first is None else kept_first_payload(version, first)
+    inside = None  # bucket 1 inside the begin, where every engine reads that (protocol 3)
+    if bucket is not None and all((link.session.protocol or 0) >= 3 for link in links):
+        inside = bucket
+    payload, carried = encode_begin(version, guess, flags, limits, inside)
+    if carried is None and inside is not None:  # too large together: two messages
+        inside = None
+        payload, carried = encode_begin(version, guess, flags, limits)
     if carried is None:
         return None
-    bucket = None if first is None else kept_first_payload(version, first)
     early = EarlyBegin(version, guess, payload, [], first if bucket else None, bucket)
     try:
         for link in links:
@@ -118,7 +127,8 @@ async def begin_early(
             await link.send(payload, "the begin", version)
             link.session.sent(0)
             if bucket is not None:
-                await link.send(bucket, "bucket 1", version)
+                if inside is None:
+                    await link.send(bucket, "bucket 1", version)
                 link.session.sent(1)
     except AiosyncError as exc:
         log.info("begin of version %d not sent early: %s", version, exc)
