@@ -267,9 +267,10 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     batch of copies copy by copy (no CUDA graphs); ``e`` sends each ``begin`` after the read
     (no early begin); ``b`` sends a direct bucket 1 after the read, not with the begin;
     ``q`` has the engine apply every bucket in a worker thread (no quick applies), ``l``
-    inline up to 1 ms of host work, not 0.5.
+    inline up to 1 ms of host work, not 0.5; ``p`` sends an early direct bucket 1 in a
+    message of its own after the begin (protocol 2's way), not inside it.
     """
-    shape = variant.rstrip("iodfsgwtnebql")
+    shape = variant.rstrip("iodfsgwtnebqlp")
     return shape, sorted(set(variant[len(shape) :]))
 
 
@@ -320,6 +321,7 @@ def trainer(args: argparse.Namespace) -> None:
             timeline_switches.thread_read(flags)
             timeline_switches.late_begin(flags)
             timeline_switches.first_after_read(flags)
+            timeline_switches.first_apart(flags)
             times, stall = run(
                 functools.partial(
                     _native, model, endpoint, args, shape, args.repeats + 1, None, source
@@ -350,6 +352,7 @@ def trainer(args: argparse.Namespace) -> None:
         timeline_switches.thread_read(flags)
         timeline_switches.late_begin(flags)
         timeline_switches.first_after_read(flags)
+        timeline_switches.first_apart(flags)
         run(lambda: _native(model, endpoint, args, shape, total, start, traced))
         trainer_marks = rec.dump()
         engine_marks = command("dump")["marks"]

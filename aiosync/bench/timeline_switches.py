@@ -140,6 +140,18 @@ def first_after_read(flags: list[str]) -> None:
     DirectReader.kept_first = (lambda _: None) if "b" in flags else own  # type: ignore[method-assign,assignment]
 
 
+def first_apart(flags: list[str]) -> None:
+    """With flag ``p``, an early direct bucket 1 goes after the begin, not inside it.
+
+    In a message of its own, as protocol 2 sends it.
+    """
+    from aiosync.pipeline import early_begin
+
+    own = getattr(early_begin, "_own_carries_first", early_begin.carries_first)
+    early_begin._own_carries_first = own  # type: ignore[attr-defined]
+    early_begin.carries_first = (lambda _: False) if "p" in flags else own  # type: ignore[assignment]
+
+
 def regions_per_bucket(flags: list[str]) -> None:
     """Direct buckets of up to 1024 regions with flag ``w``, else the library's default."""
     from aiosync.planes.direct import MAX_REGIONS_PER_BUCKET

@@ -87,6 +87,11 @@ class EarlyBegin:
                         log.info("could not withdraw the begin from %s: %s", link.name, exc)
 
 
+def carries_first(links: Sequence[EngineLink]) -> bool:
+    """Whether bucket 1 may ride inside the begin: every engine chose protocol 3 or later."""
+    return all((link.session.protocol or 0) >= 3 for link in links)
+
+
 async def begin_early(
     links: Sequence[EngineLink],
     version: int,
@@ -110,9 +115,7 @@ async def begin_early(
             return None
     flags = {"empty": False, "rebase": False}
     bucket = None if first is None else kept_first_payload(version, first)
-    inside = None  # bucket 1 inside the begin, where every engine reads that (protocol 3)
-    if bucket is not None and all((link.session.protocol or 0) >= 3 for link in links):
-        inside = bucket
+    inside = bucket if bucket is not None and carries_first(links) else None
     payload, carried = encode_begin(version, guess, flags, limits, inside)
     if carried is None and inside is not None:  # too large together: two messages
         inside = None
