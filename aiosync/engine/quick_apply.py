@@ -42,7 +42,7 @@ class QuickApplies:
 
     def quick(self, action: Apply) -> bool:
         """Whether ``action`` is a direct bucket whose last apply took at most INLINE_APPLY."""
-        if not action.regions or action.held:
+        if action.held:
             return False
         seen = self._seconds.get(id(action.specs))
         return seen is not None and seen[0] is action.specs and seen[1] <= INLINE_APPLY
@@ -53,7 +53,7 @@ class QuickApplies:
 
     def note(self, action: Apply, seconds: float) -> None:
         """Remember how long ``action``'s apply took (direct buckets only)."""
-        if not action.regions or action.held:
+        if action.held:
             return
         self._seconds.pop(id(action.specs), None)  # re-inserted last: the newest
         self._seconds[id(action.specs)] = (action.specs, seconds)
