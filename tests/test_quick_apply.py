@@ -1,7 +1,8 @@
-"""Direct buckets measured quick are applied on the engine's event loop (engine.quick_apply)."""
+"""Buckets measured quick are applied on the engine's event loop (engine.quick_apply)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -36,13 +37,16 @@ def test_a_bucket_is_quick_only_as_the_same_list_measured_quick() -> None:
     assert not quick.quick(action)  # slow last time: back to the thread
 
 
-def test_ring_buckets_are_never_quick_and_the_memory_is_bounded(
+def test_ring_buckets_are_quick_as_measured_held_ones_never_and_the_memory_is_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     quick = QuickApplies()
     ring = apply_of([TensorSpec("a", "float32", (4,), 0, 16)], direct=False)
     quick.note(ring, 0.0)
-    assert not quick.quick(ring)
+    assert quick.quick(ring)
+    held = dataclasses.replace(ring, specs=list(ring.specs), held=True)
+    quick.note(held, 0.0)
+    assert not quick.quick(held)  # read from the engine's own store: the worker's way
     monkeypatch.setattr(quick_apply, "KEPT", 3)
     lists = [[TensorSpec(f"t{i}", "float32", (4,), 0, 16)] for i in range(5)]
     for specs in lists:

@@ -120,6 +120,7 @@ SAMPLES: list[Any] = [
     Begin(0),
     Begin(3, []),
     Begin(7, MANIFEST),
+    Begin(7, MANIFEST, first=Bucket(7, 1, 2, 2048, slots=SLOTS, regions=[ShmHandle("a", 1024)])),
     Bucket(0, 1, 0, 0),
     Bucket(7, 3, 1, 2048, slots=SLOTS),
     Bucket(7, 3, 1, 2048, specs=SPECS),
@@ -333,6 +334,7 @@ def test_wire_format_is_documented_map() -> None:
         ],
         "empty": False,
         "rebase": False,
+        "first": None,
     }
     assert msgspec.msgpack.decode(encode(SAMPLES[0])) == {
         "type": "hello",

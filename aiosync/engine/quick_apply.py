@@ -1,16 +1,19 @@
-"""Which direct buckets an engine may apply on its event loop: those measured quick last time.
+"""Which buckets an engine may apply on its event loop: those measured quick last time.
 
 Handing a bucket to a worker thread and back costs 0.15-0.6 ms on the shared GPU hosts
-(docs/benchmarks.md), about the host work of a direct bucket whose split and copies are
-kept from the last version (its checks, about a microsecond a tensor, and one CUDA graph
-launch), and the worker then competes with the loop for the GIL. Only a sink that says so
-takes part (``applies_quickly()``: :class:`~aiosync.ModuleSink`'s own by-address copies,
-never a user's code, which may block or need a worker thread). The engine times each
-direct bucket's apply by its spec list, the very same list object every version while the
-split is kept: one that took at most :data:`INLINE_APPLY` last time (CPU time in a worker;
-on the loop, the longer of CPU and wall time) is applied on the loop this time, on the
-stream a worker thread would use (:func:`worker_stream`). A bucket not seen before, one
-that turned slow, and one whose apply failed go to the worker thread as always.
+(docs/benchmarks.md), about the host work of a bucket whose copies are kept from the last
+version (its checks, about a microsecond a tensor, and its copies queued by address or as
+one CUDA graph), and the worker then competes with the loop for the GIL. Only a sink that
+says so takes part (``applies_quickly()``: :class:`~aiosync.ModuleSink`'s own by-address
+copies, never a user's code, which may block or need a worker thread). The engine times
+each bucket's apply by its spec list, the very same list object every version while the
+stream replays the last one (a direct split kept, or a ring bucket of the same layout):
+one that took at most :data:`INLINE_APPLY` last time (CPU time in a worker; on the loop,
+the longer of CPU and wall time) is applied on the loop this time, on the stream a worker
+thread would use (:func:`worker_stream`). A bucket not seen before, one that turned slow
+(a CPU bucket's bytes copied by the CPU, say), one whose apply failed and one the engine
+holds for a resume go to the worker thread as always. For ring buckets each hop saved is
+on the version's critical path: the trainer refills a buffer only once its ack is back.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from aiosync.core.engine_actions import Apply
 
 INLINE_APPLY = 0.5e-3
-"""Seconds of host work, last time, up to which a direct bucket's apply runs on the loop.
+"""Seconds of host work, last time, up to which a bucket's apply runs on the loop.
 
 About what a hop to a worker thread costs on those hosts. It bounds what the loop is
 expected to be held, not what it is: a bucket that takes longer this time is applied on
@@ -35,13 +38,13 @@ KEPT = 1024
 
 
 class QuickApplies:
-    """How long each direct bucket's last apply took, by the identity of its spec list."""
+    """How long each bucket's last apply took, by the identity of its spec list."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, tuple[object, float]] = {}  # id -> (the list, seconds)
 
     def quick(self, action: Apply) -> bool:
-        """Whether ``action`` is a direct bucket whose last apply took at most INLINE_APPLY."""
+        """Whether ``action``'s bucket took at most INLINE_APPLY last time (not a held one)."""
         if action.held:
             return False
         seen = self._seconds.get(id(action.specs))
@@ -52,7 +55,7 @@ class QuickApplies:
         self._seconds.pop(id(action.specs), None)
 
     def note(self, action: Apply, seconds: float) -> None:
-        """Remember how long ``action``'s apply took (direct buckets only)."""
+        """Remember how long ``action``'s apply took (a held bucket's is not kept)."""
         if action.held:
             return
         self._seconds.pop(id(action.specs), None)  # re-inserted last: the newest

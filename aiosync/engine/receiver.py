@@ -94,7 +94,7 @@ class WeightReceiver:
         self._channels: dict[Peer, Channel] = {}
         self._planes: dict[Peer, ReceiverPlane] = {}
         self._limiter = anyio.CapacityLimiter(1)
-        self._quick = QuickApplies()  # direct buckets measured quick: applied on the loop
+        self._quick = QuickApplies()  # buckets measured quick: applied on the loop
         self._quick_sink = bool(getattr(sink, "applies_quickly", lambda: False)())
         self._committed = anyio.Event()
         self._leases = LeaseGate()
@@ -400,7 +400,7 @@ class WeightReceiver:
         """Hand the sink the bucket's bytes and specs (a worker thread, or ``on_loop``).
 
         A CUDA plane orders the copies with events: no host wait here (``ordered_apply``).
-        Its time is noted: a direct bucket that was quick goes on the loop next time.
+        Its time is noted: a bucket that was quick goes on the loop next time.
         """
         started, wall = time.thread_time(), time.perf_counter()
         with ordered_apply(plane, action.buffer):
