@@ -1329,3 +1329,25 @@ def test_a_refused_begin_refuses_the_bucket_it_carries_and_applies_nothing() -> 
     acks = [m for m in replies(actions) if isinstance(m, Ack)]
     assert [(a.seq, a.ok) for a in acks] == [(0, False), (1, False)]
     assert not applies(actions)
+
+
+def test_a_begin_carrying_a_bucket_in_a_protocol_2_session_is_a_protocol_error() -> None:
+    engine = machine(model())
+    ready = reply(send(engine, hello(high=2)))
+    assert isinstance(ready, Ready)
+    assert ready.protocol == 2
+    actions = send(engine, Begin(0, MANIFEST, first=by_slots(0, 1, [Slot(0, 0, 16)])))
+    assert not applies(actions)
+    assert engine.protocol_errors == 1
+    assert PEER not in engine.sessions
+
+
+def test_a_begin_carrying_a_bucket_while_a_version_is_open_is_one_protocol_error() -> None:
+    engine = connected(model())
+    stream(engine, 0, manifest=MANIFEST)  # version 0 open
+    actions = send(engine, Begin(1, MANIFEST, first=by_slots(1, 1, [Slot(0, 0, 16)])))
+    aborts = [m for m in replies(actions) if isinstance(m, Abort)]
+    assert len(aborts) == 1  # the bucket inside is not taken as a second message
+    assert "while version 0 is open" in aborts[0].reason
+    assert engine.protocol_errors == 1
+    assert not applies(actions)

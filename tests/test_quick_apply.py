@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from aiosync import ModuleSink, RejectedError
+from aiosync import ModuleSink, RejectedError, SenderConfig, WeightReceiver, WeightSender
 from aiosync.core.engine_actions import Apply
 from aiosync.core.layout import TensorSpec
 from aiosync.core.wire import Region, ShmHandle
@@ -44,9 +44,11 @@ def test_ring_buckets_are_quick_as_measured_held_ones_never_and_the_memory_is_bo
     ring = apply_of([TensorSpec("a", "float32", (4,), 0, 16)], direct=False)
     quick.note(ring, 0.0)
     assert quick.quick(ring)
-    held = dataclasses.replace(ring, specs=list(ring.specs), held=True)
-    quick.note(held, 0.0)
-    assert not quick.quick(held)  # read from the engine's own store: the worker's way
+    for change in ({"held": True}, {"digest": b"d" * 32}):  # the same, replayed spec list
+        resumed = dataclasses.replace(ring, **change)  # type: ignore[arg-type]
+        assert not quick.quick(resumed)  # a resume's store reads or writes: the worker's way
+        quick.note(resumed, 0.0)
+        assert not quick.quick(resumed)
     monkeypatch.setattr(quick_apply, "KEPT", 3)
     lists = [[TensorSpec(f"t{i}", "float32", (4,), 0, 16)] for i in range(5)]
     for specs in lists:
@@ -143,3 +145,51 @@ async def test_user_code_staging_and_renames_never_run_on_the_loop(kind: str) ->
     assert not sink.applies_quickly()
     assert await stream_versions(sink, model, engine, 5, where) == []
     assert set().union(*where) == {False}
+
+
+def test_only_planes_whose_views_never_wait_take_part() -> None:
+    from aiosync.planes.collective_receiver import CollectiveReceiverPlane
+    from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
+    from aiosync.planes.direct import DirectReceiverPlane
+    from aiosync.planes.gathered import GatheredReceiverPlane
+    from aiosync.planes.shm import ShmReceiverPlane
+
+    for plane in (ShmReceiverPlane, CudaLegacyReceiverPlane, DirectReceiverPlane):
+        assert quick_apply.views_at_once(plane)
+    for plane in (CollectiveReceiverPlane, GatheredReceiverPlane, object()):
+        assert not quick_apply.views_at_once(plane)  # a broadcast may block its deadline
+
+
+@pytest.mark.parametrize("opted_in", [True, False])
+async def test_steady_ring_buckets_run_on_the_loop_only_where_the_plane_opts_in(
+    opted_in: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiosync.planes.shm import ShmReceiverPlane
+
+    if not opted_in:  # as a plane whose view may block (a collective's) would say
+        monkeypatch.setattr(ShmReceiverPlane, "views_at_once", False)
+    torch.manual_seed(0)
+    model, engine = Net(), Net()
+    where: list[set[bool]] = []
+    loop = threading.get_ident()
+    sink = ModuleSink(engine)
+    own = sink.apply_bucket
+
+    def apply_bucket(bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        where[-1].add(threading.get_ident() == loop)
+        own(bucket, specs)
+
+    sink.apply_bucket = apply_bucket  # type: ignore[method-assign]
+    config = SenderConfig(buffer_bytes=4096, num_buffers=2, timeout=10)  # ring buckets only
+    async with (
+        WeightReceiver(sink) as receiver,
+        WeightSender(receiver.endpoint, config=config) as sender,
+    ):
+        for version in range(5):
+            stepped(model, version)
+            where.append(set())
+            await sender.send(tensors(model), version=version)
+            assert_same(state(engine), state(model))
+        assert receiver.failures == []
+    assert where[0] == {False}  # first sightings: a worker thread
+    assert where[-1] == ({True} if opted_in else {False})

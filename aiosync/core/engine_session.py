@@ -121,8 +121,12 @@ class EngineSession:
             return []
         if isinstance(message, Begin):
             head, first = split_begin(message)
+            if first is not None and not self.accepts_first(peer):
+                return self._protocol_error(peer, "a begin carrying a bucket (protocol 3)")
             actions = self._on_begin(peer, session, head, now)
-            return actions if first is None else actions + self.receive(peer, first, now)
+            if first is None or peer not in self.sessions:  # not after a protocol error
+                return actions
+            return actions + self.receive(peer, first, now)
         if isinstance(message, Bucket):
             return self._on_bucket(peer, session, message)
         if isinstance(message, Complete):
@@ -149,6 +153,11 @@ class EngineSession:
     def undecodable(self, peer: Peer, error: ProtocolError) -> list[Action]:
         """A frame from ``peer`` that is not a message: end its session and say why."""
         return self._protocol_error(peer, error.reason)
+
+    def accepts_first(self, peer: Peer) -> bool:
+        """Whether ``peer``'s session may send a begin carrying bucket 1 (protocol 3 on)."""
+        session = self.sessions.get(peer)
+        return session is not None and session.protocol >= 3
 
     def light(self, peer: Peer, message: Message) -> bool:
         """Whether ``message``'s checks are bounded work now (:func:`.stream_state.light`)."""

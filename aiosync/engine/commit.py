@@ -7,8 +7,8 @@ With ``ReceiverConfig(ack_at="staged")`` the acknowledgement goes out before the
 soon as the version is staged (see :class:`~aiosync.ReceiverConfig` for what it promises).
 
 A sink whose commit moves no bytes (``commit_quickly``: a pointer swap) is committed on the
-event loop itself; anything else runs in a worker thread, as applies do (but for a kept
-direct bucket measured quick, :mod:`aiosync.engine.quick_apply`).
+event loop itself; anything else runs in a worker thread, as applies do (but for a bucket
+measured quick, :mod:`aiosync.engine.quick_apply`).
 :class:`SwapStats` records how long each step took.
 """
 

@@ -11,9 +11,13 @@ stream replays the last one (a direct split kept, or a ring bucket of the same l
 one that took at most :data:`INLINE_APPLY` last time (CPU time in a worker; on the loop,
 the longer of CPU and wall time) is applied on the loop this time, on the stream a worker
 thread would use (:func:`worker_stream`). A bucket not seen before, one that turned slow
-(a CPU bucket's bytes copied by the CPU, say), one whose apply failed and one the engine
-holds for a resume go to the worker thread as always. For ring buckets each hop saved is
-on the version's critical path: the trainer refills a buffer only once its ack is back.
+(a CPU bucket's bytes copied by the CPU, say), one whose apply failed, one the engine
+holds or keeps by digest for a resume (its store may write a file) go to the worker thread
+as always. And only a plane that says its views never wait on the host takes part
+(:func:`views_at_once`): a collective plane's view joins a broadcast, which may block for
+its whole deadline, and a worker's CPU time would not show that wait. For ring buckets
+each hop saved is on the version's critical path: the trainer refills a buffer only once
+its ack is back.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ class QuickApplies:
         self._seconds: dict[int, tuple[object, float]] = {}  # id -> (the list, seconds)
 
     def quick(self, action: Apply) -> bool:
-        """Whether ``action``'s bucket took at most INLINE_APPLY last time (not a held one)."""
-        if action.held:
+        """Whether ``action``'s bucket took at most INLINE_APPLY last time.
+
+        Never one held or kept by digest for a resume.
+        """
+        if action.held or action.digest is not None:
             return False
         seen = self._seconds.get(id(action.specs))
         return seen is not None and seen[0] is action.specs and seen[1] <= INLINE_APPLY
@@ -55,13 +62,22 @@ class QuickApplies:
         self._seconds.pop(id(action.specs), None)
 
     def note(self, action: Apply, seconds: float) -> None:
-        """Remember how long ``action``'s apply took (a held bucket's is not kept)."""
-        if action.held:
+        """Remember how long ``action``'s apply took (not for one held or kept by digest)."""
+        if action.held or action.digest is not None:
             return
         self._seconds.pop(id(action.specs), None)  # re-inserted last: the newest
         self._seconds[id(action.specs)] = (action.specs, seconds)
         while len(self._seconds) > KEPT:
             del self._seconds[next(iter(self._seconds))]
+
+
+def views_at_once(plane: object) -> bool:
+    """Whether ``plane``'s buckets may be applied on the loop: its views never wait on the host.
+
+    Opt-in (``views_at_once = True`` on the plane's class): shared memory, CUDA planes
+    ordered by events, direct mode. Not a collective plane, whose view joins a broadcast.
+    """
+    return getattr(plane, "views_at_once", False) is True
 
 
 @contextmanager

@@ -49,7 +49,7 @@ from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
-from aiosync.engine.quick_apply import QuickApplies, worker_stream
+from aiosync.engine.quick_apply import QuickApplies, views_at_once, worker_stream
 from aiosync.engine.sinks import WeightSink, apply_parts
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
@@ -300,11 +300,11 @@ class WeightReceiver:
             log.debug("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
         first = None
-        if isinstance(message, Begin):  # bucket 1 in the begin: two messages in a row
-            message, first = split_begin(message)
+        if isinstance(message, Begin) and machine.accepts_first(peer):
+            message, first = split_begin(message)  # bucket 1 in it: two messages in a row
         plane, in_thread = self._planes.get(peer), walks_tensors(message)
         actions = await receive_through_plane(plane, machine, peer, message, in_thread)
-        if first is not None:
+        if first is not None and peer in machine.sessions:  # not after a protocol error
             plane, in_thread = self._planes.get(peer), walks_tensors(first)
             actions += await receive_through_plane(plane, machine, peer, first, in_thread)
         return actions
@@ -372,7 +372,8 @@ class WeightReceiver:
         if isinstance(action, Apply):
             try:
                 plane = self._planes[action.peer]
-                if self._quick_sink and self._quick.quick(action):  # no hop (quick_apply)
+                quick = self._quick_sink and views_at_once(plane) and self._quick.quick(action)
+                if quick:  # no hop to a worker thread (engine.quick_apply)
                     with worker_stream(self.sink.device):
                         self._apply(plane, action, on_loop=True)
                 else:
@@ -413,7 +414,8 @@ class WeightReceiver:
         seconds = time.thread_time() - started
         if on_loop:  # what the loop was held, waits included
             seconds = max(seconds, time.perf_counter() - wall)
-        self._quick.note(action, seconds)
+        if views_at_once(plane):
+            self._quick.note(action, seconds)
 
     async def _committed_hook(self, version: int) -> None:
         log.info("committed version %d", version)

@@ -49,8 +49,8 @@ class WeightSink(Protocol):
     - ``commit_quickly(version) -> bool``, tried on the event loop before :meth:`commit`
       runs in a worker thread: True when it committed without moving bytes (a pointer
       swap, :meth:`ModuleSink.commit_quickly`);
-    - ``applies_quickly() -> bool``: True lets the receiver apply a kept direct bucket that
-      was quick last time on its event loop (:meth:`ModuleSink.applies_quickly`);
+    - ``applies_quickly() -> bool``: True lets the receiver apply a bucket that was quick
+      last time on its event loop (:meth:`ModuleSink.applies_quickly`);
     - ``part_devices``, for a sink made of one sink per trainer rank: the device each part
       of a gathered plane is opened on (:attr:`aiosync.topology.RankedSink.part_devices`);
     - ``apply_parts(parts)``, one call for a bucket that comes in several (bytes, specs)
@@ -260,7 +260,7 @@ class ModuleSink:
         sync_cuda(self._devices)
 
     def applies_quickly(self) -> bool:
-        """Whether a kept direct bucket's apply may run on the receiver's event loop.
+        """Whether a bucket's apply may run on the receiver's event loop (if quick last time).
 
         True for this class's own in-place copies by address without a rename
         (:mod:`aiosync.engine.quick_apply` then decides bucket by bucket, by their measured

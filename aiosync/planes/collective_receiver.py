@@ -85,9 +85,11 @@ class CollectiveReceiverPlane:
 
     Opening returns at once; the rendezvous runs on the group's thread, so a trainer that
     says hello to several engines in turn is never blocked by the first. ``view`` (called
-    when the bucket message arrives, in a worker thread) posts the receive. Gloo: it
-    returns once the bytes are in place. NCCL: it returns once the receive is queued (from
-    the calling thread when the group's thread is idle: no hand-over)
+    when the bucket message arrives, in a worker thread: this plane does not say
+    ``views_at_once``, so its buckets are never applied on the event loop) posts the
+    receive. Gloo: it returns once the bytes are in place. NCCL: it returns once the
+    receive is queued (from the calling thread when the group's thread is idle: no
+    hand-over)
     (after the copies out of that buffer's previous bucket, by CUDA event), with the
     calling thread's stream made to wait for it; the sink's copies follow on the GPU, and
     the host waits once per version, in :meth:`settle`, under the deadline (a watcher

@@ -158,6 +158,8 @@ class CudaLegacySenderPlane:
 class CudaLegacyReceiverPlane:
     """An engine's mappings of a trainer's buffers, and the events that order its reads."""
 
+    views_at_once = True  # a view never waits on the host (engine.quick_apply)
+
     def __init__(self, spec: CudaLegacyPlaneSpec, device: torch.device) -> None:
         index = device.index if device.type == "cuda" and device.index is not None else None
         self._device = spec.device if index is None else index

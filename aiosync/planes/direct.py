@@ -163,6 +163,8 @@ class _Split:
 class DirectReceiverPlane:
     """An engine's ring plane plus the trainer regions its direct buckets name."""
 
+    views_at_once = True  # a view never waits on the host (engine.quick_apply)
+
     def __init__(self, spec: DirectPlaneSpec, device: torch.device, limits: Limits | None) -> None:
         from aiosync.planes import open_receiver_plane
 

@@ -322,6 +322,8 @@ class ShmReceiverPlane:
     is an :class:`AiosyncError` and leaves nothing open.
     """
 
+    views_at_once = True  # a view never waits on the host (engine.quick_apply)
+
     def __init__(
         self,
         spec: ShmPlaneSpec,
