@@ -45,6 +45,7 @@ from aiosync.core.wire import (
     GatheredPlaneSpec,
     Goodbye,
     Hello,
+    ManifestMemo,
     Ping,
     Ready,
     ShmHandle,
@@ -831,3 +832,70 @@ def test_sender_refuses_a_ready_outside_its_range_naming_both(protocol: int) -> 
     assert f"{PROTOCOL_MIN}-{PROTOCOL_MAX}" in message
     assert "engine-0" in message
     assert link.protocol is None
+
+
+# --------------------------------------------------------------------------------------
+# ManifestMemo: decode, with the last begin's manifest kept by its bytes
+# --------------------------------------------------------------------------------------
+
+
+def memo_outcome(memo: ManifestMemo, data: bytes) -> Any:
+    """What decoding ``data`` gives: the message, or ProtocolError (the type)."""
+    try:
+        return memo.decode(data)
+    except ProtocolError:
+        return ProtocolError
+
+
+def plain_outcome(data: bytes) -> Any:
+    try:
+        return decode(data)
+    except ProtocolError:
+        return ProtocolError
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=sample_id)
+def test_the_memo_decodes_every_message_as_decode_does(msg: Any) -> None:
+    memo, data = ManifestMemo(), encode(msg)
+    assert memo.decode(data) == msg
+    assert memo.decode(memoryview(data)) == msg  # again, from what it kept if a begin
+    for end in range(len(data)):
+        assert memo_outcome(memo, data[:end]) is ProtocolError
+    assert memo_outcome(memo, data + b"\x00") is ProtocolError
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=sample_id)
+@given(pos=st.integers(0, 10_000), value=st.integers(0, 255))
+def test_the_memo_agrees_with_decode_on_corrupted_bytes(msg: Any, pos: int, value: int) -> None:
+    data = bytearray(encode(msg))
+    data[pos % len(data)] = value
+    memo = ManifestMemo()
+    memo.decode(encode(Begin(7, MANIFEST)))  # a manifest kept: the corrupted one may differ
+    assert memo_outcome(memo, bytes(data)) == plain_outcome(bytes(data))
+
+
+@given(st.binary(max_size=200))
+def test_the_memo_agrees_with_decode_on_arbitrary_bytes(data: bytes) -> None:
+    assert memo_outcome(ManifestMemo(), data) == plain_outcome(data)
+
+
+def test_an_unchanged_manifest_is_the_list_decoded_before_and_one_is_kept() -> None:
+    memo = ManifestMemo()
+    first = memo.decode(encode(Begin(1, MANIFEST)))
+    again = memo.decode(encode(Begin(2, MANIFEST, rebase=True)))
+    assert isinstance(first, Begin)
+    assert isinstance(again, Begin)
+    assert again.manifest is first.manifest  # not decoded again
+    assert (again.version, again.rebase) == (2, True)
+    other = memo.decode(encode(Begin(3, MANIFEST[:2])))
+    assert isinstance(other, Begin)
+    assert other.manifest == MANIFEST[:2]
+    back = memo.decode(encode(Begin(4, MANIFEST)))
+    assert isinstance(back, Begin)
+    assert back.manifest == MANIFEST
+    assert back.manifest is not first.manifest  # only the last manifest is kept
+    bad = msgspec.msgpack.encode({"type": "begin", "version": 5, "manifest": [["a", 3, [1], 1]]})
+    assert memo_outcome(memo, bad) is ProtocolError  # an entry's dtype is not a string
+    kept = memo.decode(encode(Begin(6, MANIFEST)))
+    assert isinstance(kept, Begin)
+    assert kept.manifest is back.manifest  # the bad one replaced nothing

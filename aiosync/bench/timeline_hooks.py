@@ -242,12 +242,13 @@ def trainer_hooks(rec: Recorder) -> None:
 
 def engine_hooks(rec: Recorder, sink: Any) -> None:
     """Mark the engine's steps: each message decoded, apply (host and GPU), each reply."""
+    from aiosync.core import wire
     from aiosync.engine import receiver
 
     def decode(orig: Any) -> Any:
-        def wrapped(payload: bytes) -> Any:
+        def wrapped(self: Any, payload: bytes) -> Any:
             when = time.monotonic_ns()
-            message = orig(payload)
+            message = orig(self, payload)
             if rec.enabled:
                 version = getattr(message, "version", None)
                 if type(message).__name__ == "Begin" and version is not None:
@@ -296,7 +297,7 @@ def engine_hooks(rec: Recorder, sink: Any) -> None:
         sink_commit(version)
         rec.mark("sinkcommit1")
 
-    _wrap(receiver, "decode", decode)
+    _wrap(wire.ManifestMemo, "decode", decode)
     mark_phase(rec, receiver.WeightReceiver, "_decide", "decide")
     mark_phase(rec, receiver, "view_parts", "view")
     mark_phase(rec, receiver.WeightReceiver, "_do", "do")

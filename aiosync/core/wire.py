@@ -340,3 +340,55 @@ def decode(data: bytes | memoryview) -> Message:
         return _decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from None
+
+
+_NIL = msgspec.Raw(b"\xc0")  # msgpack's nil
+
+
+class _BeginBytes(msgspec.Struct, frozen=True, tag="begin"):
+    """A :class:`Begin` whose manifest is left as msgpack bytes (same fields, same wire)."""
+
+    version: int
+    manifest: msgspec.Raw = _NIL  # any value, nil included (msgspec takes no Raw in a union)
+    empty: bool = False
+    rebase: bool = False
+    first: Bucket | None = None
+
+
+_lazy_decoder = msgspec.msgpack.Decoder(
+    Hello | Ready | _BeginBytes | Bucket | Complete | Commit | Ack | Abort | Goodbye | Ping
+)
+_manifest_decoder = msgspec.msgpack.Decoder(list[TensorMeta])
+
+
+class ManifestMemo:
+    """:func:`decode` that keeps the last ``begin``'s manifest, by its bytes.
+
+    A trainer sends the same manifest every version; an engine that finds the same bytes
+    again takes the list it decoded then (the very object, which its stream memory
+    recognises without comparing entries) instead of decoding hundreds of entries. One
+    manifest is kept (held, never changed); use from one thread at a time.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, list[TensorMeta]] | None = None
+
+    def decode(self, data: bytes | memoryview) -> Message:
+        """As :func:`decode`; a ``begin`` with the last manifest's bytes reuses its list."""
+        try:
+            message: Message | _BeginBytes = _lazy_decoder.decode(data)
+            if not isinstance(message, _BeginBytes):
+                return message
+            raw = bytes(message.manifest)
+            manifest = None if raw == bytes(_NIL) else self._manifest(raw)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from None
+        return Begin(message.version, manifest, message.empty, message.rebase, message.first)
+
+    def _manifest(self, data: bytes) -> list[TensorMeta]:
+        last = self._last
+        if last is not None and last[0] == data:
+            return last[1]
+        manifest: list[TensorMeta] = _manifest_decoder.decode(data)
+        self._last = (data, manifest)
+        return manifest

@@ -44,7 +44,7 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.wire import Begin, Message, decode, encode, split_begin
+from aiosync.core.wire import Begin, ManifestMemo, Message, encode, split_begin
 from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
@@ -95,6 +95,7 @@ class WeightReceiver:
         self._planes: dict[Peer, ReceiverPlane] = {}
         self._limiter = anyio.CapacityLimiter(1)
         self._quick = QuickApplies()  # buckets measured quick: applied on the loop
+        self._messages = ManifestMemo()  # decodes; an unchanged manifest is not decoded again
         self._quick_sink = bool(getattr(sink, "applies_quickly", lambda: False)())
         self._committed = anyio.Event()
         self._leases = LeaseGate()
@@ -293,9 +294,9 @@ class WeightReceiver:
             )
         try:
             if len(payload) > BIG_MESSAGE:
-                message = await anyio.to_thread.run_sync(decode, payload)
+                message = await anyio.to_thread.run_sync(self._messages.decode, payload)
             else:
-                message = decode(payload)
+                message = self._messages.decode(payload)
         except ProtocolError as exc:
             log.debug("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
