@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -258,6 +259,61 @@ async def test_stream_prints_what_nemo_rl_prints_and_maps_refusals(
             sock.close(linger=0)
             ctx.term()
     assert receiver.current_version == 1
+
+
+def test_a_list_or_items_of_plain_tensors_is_read_twice_anything_else_streams() -> None:
+    weights = {"a": torch.zeros(2), "b": torch.nn.Parameter(torch.ones(3))}
+    assert nemo_rl._rereadable(weights.items()) == list(weights.items())
+    assert nemo_rl._rereadable(list(weights.items())) == list(weights.items())
+    assert nemo_rl._rereadable(iter(weights.items())) is None  # a generator: as it comes
+    assert nemo_rl._rereadable(weights) is None  # a mapping is not pairs
+    assert nemo_rl._rereadable([("a", "not a tensor")]) is None
+    assert nemo_rl._rereadable([("a", torch.zeros(1), "extra")]) is None
+
+    class Waited(torch.Tensor):  # a subclass (an async result, a DTensor): streamed
+        pass
+
+    assert nemo_rl._rereadable([("a", torch.zeros(1).as_subclass(Waited))]) is None
+
+
+@pytest.mark.parametrize("kind", ["items", "generator"])
+async def test_stream_of_a_list_reads_its_manifest_and_begins_before_the_read(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiosync.trainer.sender as sender_module
+
+    early: list[bool] = []
+    own = sender_module.WeightSender._begin_early
+
+    async def watched(self: Any, *args: Any) -> Any:
+        out = await own(self, *args)
+        early.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sender_module.WeightSender, "_begin_early", watched)
+    trainer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    engine = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    async with WeightReceiver(ModuleSink(engine)) as receiver:
+        ctx, sock = dealer(receiver.endpoint)
+        try:
+            for step in range(3):
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(step + 1)
+                weights = dict(trainer.named_parameters())
+                pairs = weights.items() if kind == "items" else iter(weights.items())
+                await anyio.to_thread.run_sync(
+                    nemo_rl.stream_weights_via_ipc_zmq_impl, pairs, 4096, sock, 1, "policy"
+                )
+                for name, value in engine.state_dict().items():
+                    assert torch.equal(value, weights[name])
+        finally:
+            nemo_rl.release_ipc_zmq_streams(sock)
+            sock.close(linger=0)
+            ctx.term()
+        assert receiver.current_version == 2
+    # .items() is read twice: from the second call the begin goes before the read
+    assert early == ([False, True, True] if kind == "items" else [False, False, False])
 
 
 async def test_stream_with_no_engine_is_a_builtin_error_naming_the_worker(

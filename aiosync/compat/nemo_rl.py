@@ -18,7 +18,7 @@ import enum
 import itertools
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import ItemsView, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -155,6 +155,11 @@ def stream_weights_via_ipc_zmq_impl(
     travel through CUDA IPC buffers on their device (packed on the caller's current CUDA
     stream), CPU tensors through shared memory.
 
+    A list, tuple or ``.items()`` of plain tensors is read as it is, twice: the sender
+    reads the manifest first, so the engine replays the last call's checked layout and the
+    next call's ``begin`` goes before the read, as for :class:`~aiosync.WeightSender`
+    given a mapping. A generator (NeMo-RL's usual argument) streams as it comes.
+
     The sender, its buffers, their IPC handles and the engine session are kept for the
     next call on the same socket with the same buffer size and device, so a repeated call
     pays no set-up; they are released when the socket is closed, when a call brings
@@ -186,15 +191,21 @@ def stream_weights_via_ipc_zmq_impl(
             f"ROUTER socket; a {socket_type.name} socket cannot talk to it"
         )
     with _nemo_rl_errors(context):
-        iterator = iter(params_generator)
-        first = next(iterator, None)
-        if first is None:
-            device = torch.device("cpu")
-            pairs: Iterable[tuple[str, torch.Tensor]] = ()
+        pairs: Iterable[tuple[str, torch.Tensor]]
+        kept = _rereadable(params_generator)
+        if kept is not None:  # a list or .items(): the sender reads its manifest first
+            pairs = kept
+            device = kept[0][1].device if kept else torch.device("cpu")
         else:
-            first = (first[0], materialize(first[1]))
-            device = first[1].device
-            pairs = itertools.chain([first], iterator)
+            iterator = iter(params_generator)
+            first = next(iterator, None)
+            if first is None:
+                device = torch.device("cpu")
+                pairs = ()
+            else:
+                first = (first[0], materialize(first[1]))
+                device = first[1].device
+                pairs = itertools.chain([first], iterator)
         half = max(ALIGNMENT, buffer_size_bytes // 2 // ALIGNMENT * ALIGNMENT)
         config = SenderConfig(
             buffer_bytes=half,
@@ -213,6 +224,24 @@ def stream_weights_via_ipc_zmq_impl(
     )
     if rank == 0:
         print(f"{worker_name}: Packed {report.buckets} groups of tensors", flush=True)
+
+
+def _rereadable(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]] | None:
+    """``params`` as a list, if it is a list, tuple or ``.items()`` of (name, tensor) pairs.
+
+    Those can be read twice: the sender then reads the manifest before streaming, so the
+    engine replays the last version's checked layout and the ``begin`` may go before the
+    read (as :class:`~aiosync.WeightSender` does for a mapping). A generator, or anything
+    holding other values (async results to wait for), streams as it comes.
+    """
+    if not isinstance(params, list | tuple | ItemsView):
+        return None
+    pairs = list(params)
+    for pair in pairs:
+        plain = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+        if not plain or type(pair[1]) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+    return pairs
 
 
 class _Replayable:
@@ -268,13 +297,15 @@ def _send_cached(
     socket cannot send keepalives between calls): then, if the pairs read so far were kept, a
     fresh sender (a new session) sends the version again from the first pair.
     """
-    replay = _Replayable(pairs, config.num_buffers * config.buffer_bytes)
+    kept = pairs if isinstance(pairs, list) else None  # read twice as it is
+    limit = config.num_buffers * config.buffer_bytes
+    replay = kept if kept is not None else _Replayable(pairs, limit)
     stream, fresh = stream_cache.cached_stream(zmq_socket, device, config)
     try:
         return stream.send(replay, config.timeout)
     except PeerGoneError:
         stream_cache.release_streams(zmq_socket)
-        if fresh or not replay.rewind():
+        if fresh or (kept is None and not replay.rewind()):  # type: ignore[union-attr]
             raise
     log.info("the engine forgot the cached session; opening a new one")
     stream, _ = stream_cache.cached_stream(zmq_socket, device, config)
