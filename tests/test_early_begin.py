@@ -371,3 +371,28 @@ async def test_a_bucket_1_sent_early_that_the_read_contradicts_fails_once(
         assert receiver.current_version == 3
         assert receiver.servable
         assert_same(state(engine), state(model))
+
+
+async def test_an_engine_decodes_an_unchanged_manifest_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiosync.core import wire
+
+    decoded: list[int] = []
+    own = wire._manifest_decoder
+
+    class Counted:
+        def decode(self, data: bytes) -> Any:
+            decoded.append(len(data))
+            return own.decode(data)
+
+    monkeypatch.setattr(wire, "_manifest_decoder", Counted())
+    weights = mixed_weights()
+    target = zeros_like(weights)
+    async with logged_pair(ModuleSink(target), None) as (receiver, sender):
+        for version in range(4):
+            fresh = mixed_weights(seed=version)  # new tensors, same names, dtypes, shapes
+            await sender.send(fresh, version=version)
+            assert_same(target, fresh)
+        assert receiver.current_version == 3
+    assert len(decoded) == 1  # the first begin's; the next three reuse its list

@@ -879,23 +879,41 @@ def test_the_memo_agrees_with_decode_on_arbitrary_bytes(data: bytes) -> None:
     assert memo_outcome(ManifestMemo(), data) == plain_outcome(data)
 
 
-def test_an_unchanged_manifest_is_the_list_decoded_before_and_one_is_kept() -> None:
+def begin_of(memo: ManifestMemo, message: Begin, accept: bool = True) -> Begin:
+    """``message`` through ``memo``, then decided: accepted (kept) or refused."""
+    got = memo.decode(encode(message))
+    assert isinstance(got, Begin)
+    memo.settle(got.manifest if accept else None)
+    return got
+
+
+def test_an_unchanged_accepted_manifest_is_the_list_decoded_before_and_one_is_kept() -> None:
     memo = ManifestMemo()
-    first = memo.decode(encode(Begin(1, MANIFEST)))
-    again = memo.decode(encode(Begin(2, MANIFEST, rebase=True)))
-    assert isinstance(first, Begin)
-    assert isinstance(again, Begin)
+    first = begin_of(memo, Begin(1, MANIFEST))
+    again = begin_of(memo, Begin(2, MANIFEST, rebase=True))
     assert again.manifest is first.manifest  # not decoded again
     assert (again.version, again.rebase) == (2, True)
-    other = memo.decode(encode(Begin(3, MANIFEST[:2])))
-    assert isinstance(other, Begin)
+    other = begin_of(memo, Begin(3, MANIFEST[:2]))
     assert other.manifest == MANIFEST[:2]
-    back = memo.decode(encode(Begin(4, MANIFEST)))
-    assert isinstance(back, Begin)
+    back = begin_of(memo, Begin(4, MANIFEST))
     assert back.manifest == MANIFEST
     assert back.manifest is not first.manifest  # only the last manifest is kept
     bad = msgspec.msgpack.encode({"type": "begin", "version": 5, "manifest": [["a", 3, [1], 1]]})
     assert memo_outcome(memo, bad) is ProtocolError  # an entry's dtype is not a string
-    kept = memo.decode(encode(Begin(6, MANIFEST)))
-    assert isinstance(kept, Begin)
-    assert kept.manifest is back.manifest  # the bad one replaced nothing
+    memo.settle(None)
+    assert begin_of(memo, Begin(6, MANIFEST)).manifest is back.manifest  # nothing replaced
+
+
+def test_a_refused_or_undecided_manifest_is_never_kept() -> None:
+    memo = ManifestMemo()
+    kept = begin_of(memo, Begin(1, MANIFEST))
+    refused = begin_of(memo, Begin(2, MANIFEST[:1]), accept=False)  # a peer's, refused
+    assert refused.manifest == MANIFEST[:1]
+    assert begin_of(memo, Begin(3, MANIFEST[:1])).manifest is not refused.manifest
+    undecided = memo.decode(encode(Begin(4, MANIFEST[:3])))  # no decision followed
+    assert isinstance(undecided, Begin)
+    memo.decode(encode(Ping("s")))
+    memo.settle(undecided.manifest)  # too late: another message came between
+    again = begin_of(memo, Begin(5, MANIFEST[:3]))
+    assert again.manifest is not undecided.manifest
+    assert kept.manifest == MANIFEST

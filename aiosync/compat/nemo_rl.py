@@ -157,8 +157,9 @@ def stream_weights_via_ipc_zmq_impl(
 
     A list, tuple or ``.items()`` of plain tensors is read as it is, twice: the sender
     reads the manifest first, so the engine replays the last call's checked layout and the
-    next call's ``begin`` goes before the read, as for :class:`~aiosync.WeightSender`
-    given a mapping. A generator (NeMo-RL's usual argument) streams as it comes.
+    next call's ``begin`` goes before the read, as :class:`~aiosync.WeightSender` does for
+    any list of pairs (each pair sent as given, a tied tensor under each of its names). A
+    generator (NeMo-RL's usual argument) streams as it comes.
 
     The sender, its buffers, their IPC handles and the engine session are kept for the
     next call on the same socket with the same buffer size and device, so a repeated call
@@ -231,7 +232,7 @@ def _rereadable(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]] | None:
 
     Those can be read twice: the sender then reads the manifest before streaming, so the
     engine replays the last version's checked layout and the ``begin`` may go before the
-    read (as :class:`~aiosync.WeightSender` does for a mapping). A generator, or anything
+    read. A generator, or anything
     holding other values (async results to wait for), streams as it comes.
     """
     if not isinstance(params, list | tuple | ItemsView):

@@ -362,19 +362,24 @@ _manifest_decoder = msgspec.msgpack.Decoder(list[TensorMeta])
 
 
 class ManifestMemo:
-    """:func:`decode` that keeps the last ``begin``'s manifest, by its bytes.
+    """:func:`decode` that keeps the last accepted ``begin``'s manifest, by its bytes.
 
     A trainer sends the same manifest every version; an engine that finds the same bytes
     again takes the list it decoded then (the very object, which its stream memory
-    recognises without comparing entries) instead of decoding hundreds of entries. One
-    manifest is kept (held, never changed); use from one thread at a time.
+    recognises without comparing entries) instead of decoding hundreds of entries. Only a
+    manifest the engine accepted is kept (:meth:`settle`), so a peer cannot make it hold
+    more than its limits allow; one is kept (held, never changed). Use from one thread at
+    a time. A field named twice in one message counts with its last value, as in
+    :func:`decode`, which also type-checks the earlier one.
     """
 
     def __init__(self) -> None:
         self._last: tuple[bytes, list[TensorMeta]] | None = None
+        self._pending: tuple[bytes, list[TensorMeta]] | None = None
 
     def decode(self, data: bytes | memoryview) -> Message:
         """As :func:`decode`; a ``begin`` with the last manifest's bytes reuses its list."""
+        self._pending = None  # :meth:`settle` speaks of the message decoded last
         try:
             message: Message | _BeginBytes = _lazy_decoder.decode(data)
             if not isinstance(message, _BeginBytes):
@@ -385,10 +390,19 @@ class ManifestMemo:
             raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from None
         return Begin(message.version, manifest, message.empty, message.rebase, message.first)
 
+    def settle(self, accepted: list[TensorMeta] | None) -> None:
+        """The message last decoded, a ``begin``, was decided: keep its manifest if ``accepted``.
+
+        (None: refused, or no manifest; what was decoded for it is let go.)
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and accepted is pending[1]:
+            self._last = pending
+
     def _manifest(self, data: bytes) -> list[TensorMeta]:
         last = self._last
         if last is not None and last[0] == data:
             return last[1]
         manifest: list[TensorMeta] = _manifest_decoder.decode(data)
-        self._last = (data, manifest)
+        self._pending = (data, manifest)
         return manifest

@@ -44,7 +44,7 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
-from aiosync.core.wire import Begin, ManifestMemo, Message, encode, split_begin
+from aiosync.core.wire import Ack, Begin, ManifestMemo, Message, encode, split_begin
 from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
@@ -61,6 +61,18 @@ log = logging.getLogger(__name__)
 IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is nearer
 BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding runs in a worker thread
 INBOX = 64  # messages waiting for the serving loop, from all peers together
+
+
+def _accepted(actions: list[Action], peer: Peer) -> bool:
+    """Whether ``actions`` (a ``begin``'s) accept it: an ``ack`` of seq 0 that says ok."""
+    return any(
+        isinstance(a, Reply)
+        and a.peer == peer
+        and isinstance(a.message, Ack)
+        and a.message.seq == 0
+        and a.message.ok
+        for a in actions
+    )
 
 
 class WeightReceiver:
@@ -305,6 +317,8 @@ class WeightReceiver:
             message, first = split_begin(message)  # bucket 1 in it: two messages in a row
         plane, in_thread = self._planes.get(peer), walks_tensors(message)
         actions = await receive_through_plane(plane, machine, peer, message, in_thread)
+        if isinstance(message, Begin):  # its manifest is kept by its bytes once accepted
+            self._messages.settle(message.manifest if _accepted(actions, peer) else None)
         if first is not None and peer in machine.sessions:  # not after a protocol error
             plane, in_thread = self._planes.get(peer), walks_tensors(first)
             actions += await receive_through_plane(plane, machine, peer, first, in_thread)
