@@ -23,7 +23,17 @@ from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.stream_state import LIGHT_ENTRIES
 from aiosync.core.trainer_session import Policy
-from aiosync.core.wire import Ack, Begin, Bucket, Commit, Complete, Slot, decode, encode
+from aiosync.core.wire import (
+    Ack,
+    Begin,
+    Bucket,
+    Commit,
+    Complete,
+    Slot,
+    _BeginBytes,
+    decode,
+    encode,
+)
 from aiosync.pipeline.begin import _MANIFESTS, _RawBegin, encode_begin
 from aiosync.pipeline.stream import StreamRun
 from tests.test_engine_session import (
@@ -57,6 +67,7 @@ def test_a_begin_from_kept_manifest_bytes_is_the_same_message(
     manifest: list[TensorMeta] | None, flags: dict[str, bool]
 ) -> None:
     assert _RawBegin.__struct_fields__ == Begin.__struct_fields__  # a new field: here too
+    assert _BeginBytes.__struct_fields__ == Begin.__struct_fields__  # and in the memo's
     raw = None if manifest is None else msgspec.Raw(msgspec.msgpack.encode(manifest))
     assert msgspec.msgpack.encode(_RawBegin(7, raw, **flags)) == encode(Begin(7, manifest, **flags))
 

@@ -317,11 +317,7 @@ def trainer(args: argparse.Namespace) -> None:
             mode.update(flags)
             command("mode " + " ".join(flags))
             source = timeline_switches.direct_for(model, flags, sources)
-            timeline_switches.regions_per_bucket(flags)
-            timeline_switches.thread_read(flags)
-            timeline_switches.late_begin(flags)
-            timeline_switches.first_after_read(flags)
-            timeline_switches.first_apart(flags)
+            timeline_switches.trainer_switches(flags)
             times, stall = run(
                 functools.partial(
                     _native, model, endpoint, args, shape, args.repeats + 1, None, source
@@ -348,11 +344,7 @@ def trainer(args: argparse.Namespace) -> None:
         total = 1 + args.traced
         shape, flags = _variant(variants[0])
         traced = timeline_switches.direct_for(model, flags, sources)
-        timeline_switches.regions_per_bucket(flags)
-        timeline_switches.thread_read(flags)
-        timeline_switches.late_begin(flags)
-        timeline_switches.first_after_read(flags)
-        timeline_switches.first_apart(flags)
+        timeline_switches.trainer_switches(flags)
         run(lambda: _native(model, endpoint, args, shape, total, start, traced))
         trainer_marks = rec.dump()
         engine_marks = command("dump")["marks"]

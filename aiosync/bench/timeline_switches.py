@@ -103,53 +103,35 @@ def old_copies_switch() -> set[str]:
     return mode
 
 
-def thread_read(flags: list[str]) -> None:
-    """With flag ``t``, a direct-mode sender reads every version in a worker thread.
+def _switch(owner: Any, name: str, replacement: Any, on: bool) -> None:
+    """``owner.name`` is ``replacement`` while ``on``, else its own (kept the first time)."""
+    own = getattr(owner, f"_own_{name}", getattr(owner, name))
+    setattr(owner, f"_own_{name}", own)
+    setattr(owner, name, replacement if on else own)
 
-    As before :meth:`~aiosync.trainer.direct.DirectReader.read_kept`: no read on the loop.
+
+def trainer_switches(flags: list[str]) -> None:
+    """Set every switch of the trainer's side from a variant's ``flags``.
+
+    ``w`` (:func:`regions_per_bucket`); ``t``: a direct-mode sender reads every version in
+    a worker thread (as before :meth:`~aiosync.trainer.direct.DirectReader.read_kept`: no
+    read on the loop); ``e``: every ``begin`` goes after the read, as before (no
+    :mod:`~aiosync.pipeline.early_begin` guess); ``b``: a direct bucket 1 goes after the
+    read, not with an early begin; ``p``: an early direct bucket 1 goes after the begin
+    in a message of its own, as protocol 2 sends it, not inside it.
     """
+    from aiosync.pipeline import early_begin
+    from aiosync.trainer.direct import DirectReader
     from aiosync.trainer.sender import WeightSender
-
-    own = getattr(WeightSender, "_own_read_here", WeightSender._read_here)
-    WeightSender._own_read_here = own  # type: ignore[attr-defined]
-    WeightSender._read_here = (lambda *_: None) if "t" in flags else own  # type: ignore[method-assign]
-
-
-def late_begin(flags: list[str]) -> None:
-    """With flag ``e``, a sender sends every ``begin`` after the read, as before.
-
-    (No :mod:`~aiosync.pipeline.early_begin` guess from the last version's manifest.)
-    """
-    from aiosync.trainer.sender import WeightSender
-
-    own = getattr(WeightSender, "_own_begin_early", WeightSender._begin_early)
-    WeightSender._own_begin_early = own  # type: ignore[attr-defined]
 
     async def never(*_: Any) -> None:
         return None
 
-    WeightSender._begin_early = never if "e" in flags else own  # type: ignore[method-assign,assignment]
-
-
-def first_after_read(flags: list[str]) -> None:
-    """With flag ``b``, a direct bucket 1 goes after the read, not with an early begin."""
-    from aiosync.trainer.direct import DirectReader
-
-    own = getattr(DirectReader, "_own_kept_first", DirectReader.kept_first)
-    DirectReader._own_kept_first = own  # type: ignore[attr-defined]
-    DirectReader.kept_first = (lambda _: None) if "b" in flags else own  # type: ignore[method-assign,assignment]
-
-
-def first_apart(flags: list[str]) -> None:
-    """With flag ``p``, an early direct bucket 1 goes after the begin, not inside it.
-
-    In a message of its own, as protocol 2 sends it.
-    """
-    from aiosync.pipeline import early_begin
-
-    own = getattr(early_begin, "_own_carries_first", early_begin.carries_first)
-    early_begin._own_carries_first = own  # type: ignore[attr-defined]
-    early_begin.carries_first = (lambda _: False) if "p" in flags else own  # type: ignore[assignment]
+    regions_per_bucket(flags)
+    _switch(WeightSender, "_read_here", lambda *_: None, "t" in flags)
+    _switch(WeightSender, "_begin_early", never, "e" in flags)
+    _switch(DirectReader, "kept_first", lambda _: None, "b" in flags)
+    _switch(early_begin, "carries_first", lambda _: False, "p" in flags)
 
 
 def regions_per_bucket(flags: list[str]) -> None:

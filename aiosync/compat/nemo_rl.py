@@ -232,8 +232,8 @@ def _rereadable(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]] | None:
 
     Those can be read twice: the sender then reads the manifest before streaming, so the
     engine replays the last version's checked layout and the ``begin`` may go before the
-    read. A generator, or anything
-    holding other values (async results to wait for), streams as it comes.
+    read. A generator, or anything holding other values (async results to wait for),
+    streams as it comes.
     """
     if not isinstance(params, list | tuple | ItemsView):
         return None
@@ -298,15 +298,17 @@ def _send_cached(
     socket cannot send keepalives between calls): then, if the pairs read so far were kept, a
     fresh sender (a new session) sends the version again from the first pair.
     """
-    kept = pairs if isinstance(pairs, list) else None  # read twice as it is
-    limit = config.num_buffers * config.buffer_bytes
-    replay = kept if kept is not None else _Replayable(pairs, limit)
+    replay: list[tuple[str, torch.Tensor]] | _Replayable  # a list is read twice as it is
+    if isinstance(pairs, list):
+        replay = pairs
+    else:
+        replay = _Replayable(pairs, config.num_buffers * config.buffer_bytes)
     stream, fresh = stream_cache.cached_stream(zmq_socket, device, config)
     try:
         return stream.send(replay, config.timeout)
     except PeerGoneError:
         stream_cache.release_streams(zmq_socket)
-        if fresh or (kept is None and not replay.rewind()):  # type: ignore[union-attr]
+        if fresh or not (isinstance(replay, list) or replay.rewind()):
             raise
     log.info("the engine forgot the cached session; opening a new one")
     stream, _ = stream_cache.cached_stream(zmq_socket, device, config)

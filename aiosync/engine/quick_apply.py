@@ -52,7 +52,7 @@ class QuickApplies:
 
         Never one held or kept by digest for a resume.
         """
-        if action.held or action.digest is not None:
+        if _for_resume(action):
             return False
         seen = self._seconds.get(id(action.specs))
         return seen is not None and seen[0] is action.specs and seen[1] <= INLINE_APPLY
@@ -63,12 +63,17 @@ class QuickApplies:
 
     def note(self, action: Apply, seconds: float) -> None:
         """Remember how long ``action``'s apply took (not for one held or kept by digest)."""
-        if action.held or action.digest is not None:
+        if _for_resume(action):
             return
         self._seconds.pop(id(action.specs), None)  # re-inserted last: the newest
         self._seconds[id(action.specs)] = (action.specs, seconds)
         while len(self._seconds) > KEPT:
             del self._seconds[next(iter(self._seconds))]
+
+
+def _for_resume(action: Apply) -> bool:
+    """Whether the engine's resume store reads (held) or may write (digest) the bucket."""
+    return action.held or action.digest is not None
 
 
 def views_at_once(plane: object) -> bool:

@@ -5,8 +5,8 @@ checks every version and bucket against before any memory is touched. It is then
 from one worker thread: :meth:`WeightSink.apply_bucket` with a bucket's bytes (a flat
 ``uint8`` view of the data plane, valid only during the call) and the checked specs saying
 where each tensor lies in them, then :meth:`WeightSink.commit` or :meth:`WeightSink.abort`
-at the end of the version. (A sink that says ``applies_quickly()`` may have a direct
-bucket applied on the event loop instead: :mod:`aiosync.engine.quick_apply`.)
+at the end of the version. (A sink that says ``applies_quickly()`` may have a bucket
+applied on the event loop instead: :mod:`aiosync.engine.quick_apply`.)
 """
 
 from __future__ import annotations
