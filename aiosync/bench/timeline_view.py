@@ -83,24 +83,21 @@ def timeline(
     out = {kind: at(f"{side} {kind}") for side, kind in wanted}
     view: dict[str, Any] = {"version": version, "rows": rows, "phases": out}
     view["head"] = ["seq"] + [name for _, name in cols]
-    view["start"] = [  # every mark of the version's first EARLY_MS, in order
-        (side + " " + kind, round((when - t0) / 1e6, 3), seq)
-        for side, records in (("T", trainer), ("E", engine))
-        for when, kind, ver, seq in records
-        if ver == version and 0 <= when - t0 <= EARLY_MS * 1e6
-    ]
-    view["start"].sort(key=lambda mark: mark[1])
+
+    def between(low: float, high: float) -> list[tuple[str, float, int | None]]:
+        """Both sides' marks of the version from ``low`` to ``high`` (ns), in order."""
+        found = [
+            (side + " " + kind, round((when - t0) / 1e6, 3), seq)
+            for side, records in (("T", trainer), ("E", engine))
+            for when, kind, ver, seq in records
+            if ver == version and low <= when <= high
+        ]
+        return sorted(found, key=lambda mark: mark[1])
+
+    view["start"] = between(t0, t0 + EARLY_MS * 1e6)  # where the start goes
     end = marks.get(("T send1", None))
-    if end is not None:  # and every mark of its last TAIL_MS (where the end goes)
-        view["end"] = sorted(
-            (
-                (side + " " + kind, round((when - t0) / 1e6, 3), seq)
-                for side, records in (("T", trainer), ("E", engine))
-                for when, kind, ver, seq in records
-                if ver == version and end - TAIL_MS * 1e6 <= when <= end
-            ),
-            key=lambda mark: mark[1],
-        )
+    if end is not None:  # and the last TAIL_MS, up to the send's return (where the end goes)
+        view["end"] = between(end - TAIL_MS * 1e6, end)
     if not columns:
         view["summary"] = _summary(rows)
     return view
