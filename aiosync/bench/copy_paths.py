@@ -9,9 +9,6 @@ spin while the copies are queued, so host queueing is not counted), median of
 - ``streams_N``: one ``cudaMemcpyAsync`` a tensor, dealt over N streams by
   :class:`~aiosync.planes.cuda_copies.DeviceCopies` (N=1 is one stream; more let one
   copy's tail overlap the next one's start; the library uses 2);
-- ``batched_N``: the same, each stream's copies queued with one ``cudaMemcpyBatchAsync``
-  (:mod:`aiosync.planes.cuda_batch`; on the default stream, so on side streams only), as
-  the library does where the runtime has the call;
 - ``foreach``: ``torch._foreach_copy_``;
 - ``graph_N``: the copies as one CUDA graph (:class:`~aiosync.planes.cuda_graphs.CopyGraph`)
   in N independent chains, launched with one call (``graph_free``: no chains, every copy
@@ -40,7 +37,6 @@ from typing import Any
 import torch
 
 from aiosync.bench.model import LLAMA3_8B, llama_layout
-from aiosync.planes.cuda_batch import batch_available
 from aiosync.planes.cuda_copies import DeviceCopies, deal
 from aiosync.planes.cuda_graphs import CopyGraph
 from aiosync.planes.cuda_runtime import memcpy_async
@@ -101,11 +97,8 @@ def measure(repeats: int) -> dict[str, Any]:
     }
     jobs = list(zip(dsts, srcs, sizes, strict=True))
     for n in (1, 2, 3, 4, 8):
-        copies = DeviceCopies(torch.cuda.current_device(), n, graphs=False, batched=False)
-        paths[f"streams_{n}"] = functools.partial(copies.queue, jobs, torch.cuda.current_stream())
-    for n in (1, 2, 4) if batch_available() else ():
         copies = DeviceCopies(torch.cuda.current_device(), n, graphs=False)
-        paths[f"batched_{n}"] = functools.partial(copies.queue, jobs, torch.cuda.current_stream())
+        paths[f"streams_{n}"] = functools.partial(copies.queue, jobs, torch.cuda.current_stream())
     built: dict[str, float] = {}
     for lanes in (1, 2, 4, 8, None):
         t0 = time.perf_counter()

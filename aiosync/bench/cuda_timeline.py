@@ -13,8 +13,7 @@ CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (t
 tensors as views of one allocation or segment); ``e`` sends each ``begin`` after the read,
 not before it (:mod:`aiosync.pipeline.early_begin`), and ``b`` a direct bucket 1 after
 the read, not with that begin; ``q`` applies every bucket in the engine's worker thread
-(:mod:`aiosync.engine.quick_apply`); ``c`` queues copies one call a copy, not a batch
-call a stream (:mod:`aiosync.planes.cuda_batch`). It then streams ``--traced`` more versions of
+(:mod:`aiosync.engine.quick_apply`). It then streams ``--traced`` more versions of
 the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
 On CUDA the same run measures the floors (one flat device copy; every tensor into
@@ -269,10 +268,9 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     (no early begin); ``b`` sends a direct bucket 1 after the read, not with the begin;
     ``q`` has the engine apply every bucket in a worker thread (no quick applies), ``l``
     inline up to 1 ms of host work, not 0.5; ``p`` sends an early direct bucket 1 in a
-    message of its own after the begin (protocol 2's way), not inside it; ``c`` queues
-    each stream's copies one call a copy, not in one batch call.
+    message of its own after the begin (protocol 2's way), not inside it.
     """
-    shape = variant.rstrip("iodfsgwtnebqlpc")
+    shape = variant.rstrip("iodfsgwtnebqlp")
     return shape, sorted(set(variant[len(shape) :]))
 
 

@@ -54,8 +54,7 @@ def old_copies_switch() -> set[str]:
     programs. ``"s"``: the by-address copies all go on the caller's stream, as before they
     were spread over two (:mod:`aiosync.planes.cuda_copies`); ``"g"``: spread, but the side
     stream waits on its fork only, not first on the other process's events; ``"n"``: no
-    graphs, every batch queued copy by copy; ``"c"``: each stream's copies queued one call a
-    copy, not in one ``cudaMemcpyBatchAsync`` (:mod:`aiosync.planes.cuda_batch`). The same run
+    graphs, every batch queued copy by copy. The same run
     then measures each. Call before :func:`trainer_hooks` (which wraps what this installs).
     """
     from aiosync.core.layout import pack_bucket
@@ -80,7 +79,6 @@ def old_copies_switch() -> set[str]:
 
     widths: dict[int, int] = {}  # each instance's own width, by id
     graphs: dict[int, bool] = {}  # and whether it makes graphs
-    batched: dict[int, bool] = {}  # and whether it queues batches
 
     def queue(self: Any, jobs: Any, stream: Any) -> None:
         own = widths.setdefault(id(self), self.width)
@@ -90,11 +88,6 @@ def old_copies_switch() -> set[str]:
             self.graphs = False
         elif id(self) in graphs:
             self.graphs = graphs.pop(id(self))
-        if "c" in mode:
-            batched.setdefault(id(self), self.batched)
-            self.batched = False
-        elif id(self) in batched:
-            self.batched = batched.pop(id(self))
         new_queue(self, jobs, stream)
 
     take_gates = cuda_copies._take_gates

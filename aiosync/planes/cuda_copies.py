@@ -8,10 +8,7 @@ the same bytes that way. Dealt over the caller's stream and one side stream, for
 it and joined back into it, the copies overlap those tails and take 1.03x; more streams
 gain nothing more (``python -m aiosync.bench.copy_paths``, ``docs/benchmarks.md``). To
 all other work the batch stays on the caller's stream: it starts after what was queued
-there before and what is queued there after starts after the whole batch. Each stream's
-share is queued with one ``cudaMemcpyBatchAsync`` where the runtime has it
-(:mod:`aiosync.planes.cuda_batch`), not one call a copy; as the runtime takes no batch on
-the legacy default stream, a batch queued there runs on side streams only.
+there before and what is queued there after starts after the whole batch.
 
 Where the caller's stream waits on another process's event (the trainer's packing on an
 engine's ``applied``, an engine's copies on the trainer's ``packed``), the planes wait
@@ -52,7 +49,6 @@ import torch
 
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, is_plain
-from aiosync.planes.cuda_batch import BATCH_MIN_JOBS, batch_available, memcpy_batch_async
 from aiosync.planes.cuda_graphs import CopyGraph, CopyJob
 from aiosync.planes.cuda_runtime import memcpy_async
 
@@ -162,14 +158,10 @@ class DeviceCopies:
     unused or :meth:`close`. Safe to call from any thread; no host wait.
     """
 
-    def __init__(
-        self, device: int, width: int = WIDTH, *, graphs: bool = True, batched: bool = True
-    ) -> None:
+    def __init__(self, device: int, width: int = WIDTH, *, graphs: bool = True) -> None:
         self.device = device
         self.width = width
         self.graphs = graphs
-        self.batched = batched
-        """Whether a stream's copies may go in one batch call (where the runtime has it)."""
         self._lock = threading.Lock()
         self._sides: list[torch.cuda.Stream] = []
         self._fork: torch.cuda.Event | None = None
@@ -191,57 +183,34 @@ class DeviceCopies:
         if not jobs:
             return
         with self._lock, torch.cuda.device(self.device):
-            chains = 1 if one_stream or self.width < 2 else GRAPH_LANES
+            lanes = 1 if one_stream or self.width < 2 else GRAPH_LANES
             may = hinted and self._may_graph(gates)
-            graph = self._graph(jobs, chains) if may else None
+            graph = self._graph(jobs, lanes) if may else None
             if graph is not None:
                 self.batches["graph"] += 1
                 graph.launch(stream)
                 return
             self.batches["unseen" if may else "gated" if hinted and self.graphs else "copies"] += 1
             sizes = [nbytes for _, _, nbytes in jobs]
-            spread = not (
-                one_stream or self.width < 2 or len(jobs) < 2 or sum(sizes) < SPREAD_MIN_BYTES
-            )
-            lanes = split_lanes(jobs, deal(sizes, self.width)) if spread else [list(jobs)]
-            batched = self.batched and len(jobs) >= BATCH_MIN_JOBS and batch_available()
-            # the runtime takes no batch on the legacy default stream: lanes of their own
-            here = stream.cuda_stream != 0 or not batched
-            if len(lanes) == 1 and here:
-                self._copy(lanes[0], stream.cuda_stream, batched)
+            if one_stream or self.width < 2 or len(jobs) < 2 or sum(sizes) < SPREAD_MIN_BYTES:
+                handle = stream.cuda_stream
+                for dst, src, nbytes in jobs:
+                    memcpy_async(dst, src, nbytes, handle)
                 return
-            fork, sides, joins = self._parts(len(lanes) - 1 if here else len(lanes))
+            fork, sides, joins = self._parts()
             fork.record(stream)
             for side in sides:
                 for gate in gates:
                     side.wait_event(gate)
                 side.wait_event(fork)
-            handles = [stream.cuda_stream] if here else []
-            handles += [side.cuda_stream for side in sides]
+            handles = [stream.cuda_stream] + [side.cuda_stream for side in sides]
             try:
-                for lane, handle in zip(lanes, handles, strict=True):
-                    self._copy(lane, handle, batched)
+                for (dst, src, nbytes), lane in zip(jobs, deal(sizes, self.width), strict=True):
+                    memcpy_async(dst, src, nbytes, handles[lane])
             finally:  # what was queued on a side stream stays before the caller's later work
                 for side, join in zip(sides, joins, strict=True):
                     join.record(side)
                     stream.wait_event(join)
-
-    def _copy(self, jobs: Sequence[CopyJob], handle: int, batched: bool) -> None:
-        """Queue ``jobs`` on stream ``handle``: in one call if ``batched`` and it takes one."""
-        if batched and handle != 0 and len(jobs) >= BATCH_MIN_JOBS:
-            dsts, srcs, sizes = zip(*jobs, strict=True)
-            try:
-                memcpy_batch_async(dsts, srcs, sizes, handle)
-                return
-            except AiosyncError as exc:
-                refused = exc  # one by one below; if that works, batches stay off here
-        else:
-            refused = None
-        for dst, src, nbytes in jobs:
-            memcpy_async(dst, src, nbytes, handle)
-        if refused is not None:
-            log.warning("copies on cuda:%d go one by one: %s", self.device, refused)
-            self.batched = False
 
     def _may_graph(self, gates: list[torch.cuda.Event]) -> bool:
         """Whether this batch may run as a graph: no other process's event is pending.
@@ -303,27 +272,15 @@ class DeviceCopies:
             self._seen.clear()
             self._asked.clear()
 
-    def _parts(
-        self, count: int
-    ) -> tuple[torch.cuda.Event, list[torch.cuda.Stream], list[torch.cuda.Event]]:
-        """The fork event and ``count`` side streams with their join events (made once)."""
+    def _parts(self) -> tuple[torch.cuda.Event, list[torch.cuda.Stream], list[torch.cuda.Event]]:
         if self._fork is None:
+            self._sides = [
+                torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+                for _ in range(self.width - 1)
+            ]
+            self._joins = [torch.cuda.Event() for _ in self._sides]  # type: ignore[no-untyped-call]
             self._fork = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        while len(self._sides) < count:
-            self._sides.append(torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
-            self._joins.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
-        return self._fork, self._sides[:count], self._joins[:count]
-
-
-def split_lanes(jobs: Sequence[CopyJob], lanes: Sequence[int]) -> list[list[CopyJob]]:
-    """``jobs`` grouped by their stream in ``lanes`` (from :func:`deal`), in order.
-
-    A stream that got no copy has no group.
-    """
-    grouped: list[list[CopyJob]] = [[] for _ in range(max(lanes, default=-1) + 1)]
-    for job, lane in zip(jobs, lanes, strict=True):
-        grouped[lane].append(job)
-    return [group for group in grouped if group]
+        return self._fork, self._sides, self._joins
 
 
 def plain_jobs(buffer: torch.Tensor, plan: BucketPlan) -> tuple[list[CopyJob], BucketPlan]:
