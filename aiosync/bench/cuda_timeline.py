@@ -119,16 +119,24 @@ def engine(args: argparse.Namespace) -> None:
 
 
 def _probe_engine(model: dict[str, torch.Tensor], spec: dict[str, Any]) -> None:
-    """The probe's engine: per line ``k i``, wait on packed[i], copy bucket k, record, reply."""
+    """The probe's engine: per line ``k i``, wait on packed[i], copy bucket k, record, reply.
+
+    With ``signals`` in ``spec``: per line ``k i n``, the stream waits until the trainer's
+    counter reaches ``n + 1``, copies, then sets its own counter to ``n + 1``.
+    """
     from aiosync.core.layout import plan_buckets, tensor_bytes
     from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
+    from aiosync.planes.cuda_signals import wait_value, write_value
 
     size = spec["size"]
     buffers = [DeviceMemory.open(bytes.fromhex(h), size, 0) for h in spec["handles"]]
     packed = [_open_event(0, bytes.fromhex(h)) for h in spec["events"]]
     made = [_new_event(0) for _ in buffers]
     applied = [event for event, _ in made]
+    signals = None
+    if "signals" in spec:
+        signals = DeviceMemory.open(bytes.fromhex(spec["signals"]), 4096, 0)
     plans = [plan.specs for plan in plan_buckets(model.items(), size)]
     views = {name: tensor_bytes(t) for name, t in model.items()}
     stream = torch.cuda.current_stream()
@@ -138,29 +146,46 @@ def _probe_engine(model: dict[str, torch.Tensor], spec: dict[str, Any]) -> None:
             torch.cuda.synchronize()
             _say({"done": True})
             continue
-        k, i = (int(word) for word in line.split())
-        stream.wait_event(packed[i])
+        k, i, *count = (int(word) for word in line.split())
+        if signals is not None:
+            wait_value(stream.cuda_stream, signals.tensor.data_ptr(), count[0] + 1)
+        else:
+            stream.wait_event(packed[i])
         source = buffers[i].tensor
         for s in plans[k]:
             views[s.name][s.start : s.start + s.nbytes].copy_(
                 source[s.offset : s.offset + s.nbytes]
             )
-        applied[i].record(stream)
+        if signals is not None:
+            write_value(stream.cuda_stream, signals.tensor.data_ptr() + 256, count[0] + 1)
+        else:
+            applied[i].record(stream)
         print(k, flush=True)
     torch.cuda.synchronize()
-    for buffer in buffers:
+    for buffer in [*buffers, *([signals] if signals is not None else [])]:
         buffer.close()
     _say({"closed": True})
 
 
 def _probe(
-    model: dict[str, torch.Tensor], proc: subprocess.Popen[str], count: int, size: int, repeats: int
+    model: dict[str, torch.Tensor],
+    proc: subprocess.Popen[str],
+    count: int,
+    size: int,
+    repeats: int,
+    signals: bool = False,
 ) -> list[float]:
-    """A plain event-chained stream through ``count`` buffers; its time per version."""
+    """A plain event-chained stream through ``count`` buffers; its time per version.
+
+    ``signals``: chained by counters in device memory instead
+    (:mod:`aiosync.planes.cuda_signals`): the trainer queues every pack at once, each
+    behind a wait for the engine's counter, and reads the engine's lines only at the end.
+    """
     from aiosync.bench.cuda_dropin import _timed
     from aiosync.core.layout import pack_bucket, plan_buckets
     from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
+    from aiosync.planes.cuda_signals import wait_value, write_value
 
     assert proc.stdin is not None
     assert proc.stdout is not None
@@ -168,27 +193,42 @@ def _probe(
     buffers = [DeviceMemory.allocate(size, 0) for _ in range(count)]
     made = [_new_event(0) for _ in buffers]
     packed = [event for event, _ in made]
-    spec = {"size": size, "handles": [b.handle.hex() for b in buffers]}
+    spec: dict[str, Any] = {"size": size, "handles": [b.handle.hex() for b in buffers]}
     spec["events"] = [handle.hex() for _, handle in made]
+    counters = DeviceMemory.allocate(4096, 0) if signals else None
+    if counters is not None:
+        counters.tensor.zero_()
+        torch.cuda.synchronize()
+        spec["signals"] = counters.handle.hex()
     stdin.write("probe " + json.dumps(spec).replace(" ", "") + "\n")
     stdin.flush()
     applied = [_open_event(0, bytes.fromhex(h)) for h in json.loads(stdout.readline())["events"]]
     plans = list(plan_buckets(model.items(), size))
     stream = torch.cuda.current_stream()
+    done = [0]  # buckets packed so far, over all versions: the counters' values
 
     def one_version() -> None:
         for k, plan in enumerate(plans):
             i = k % count
-            if k >= count:
+            n = done[0] + k
+            if counters is not None:
+                if k >= count or done[0]:
+                    wait_value(stream.cuda_stream, counters.tensor.data_ptr() + 256, n - count + 1)
+            elif k >= count:
                 int(stdout.readline())  # bucket k - count applied: its event is recorded
                 stream.wait_event(applied[i])
             pack_bucket(buffers[i].tensor, plan)
-            packed[i].record(stream)
-            stdin.write(f"{k} {i}\n")
+            if counters is not None:
+                write_value(stream.cuda_stream, counters.tensor.data_ptr(), n + 1)
+                stdin.write(f"{k} {i} {n}\n")
+            else:
+                packed[i].record(stream)
+                stdin.write(f"{k} {i}\n")
             stdin.flush()
+        done[0] += len(plans)
         stdin.write("end\n")
         stdin.flush()
-        for _ in range(min(count, len(plans))):
+        for _ in range(len(plans) if counters is not None else min(count, len(plans))):
             int(stdout.readline())
         json.loads(stdout.readline())
 
@@ -197,7 +237,7 @@ def _probe(
     stdin.flush()
     json.loads(stdout.readline())  # the engine unmapped the buffers
     torch.cuda.synchronize()
-    for buffer in buffers:
+    for buffer in [*buffers, *([counters] if counters is not None else [])]:
         buffer.close()
     return times
 
@@ -358,8 +398,8 @@ def trainer(args: argparse.Namespace) -> None:
             marks = {"trainer": trainer_marks, "engine": engine_marks}
             Path(args.out, "timeline_marks.json").write_text(json.dumps(marks))
         for probe in args.probe.split(",") if cuda and args.probe else []:
-            count, mb = (int(x) for x in probe.split("x"))
-            times = _probe(model, proc, count, mb * MiB, args.repeats)
+            count, mb = (int(x) for x in probe.rstrip("s").split("x"))
+            times = _probe(model, proc, count, mb * MiB, args.repeats, probe.endswith("s"))
             out["probe " + probe] = {"median_s": statistics.median(times), "times_s": times}
             print(f"probe {probe}: {[round(t * 1e3, 2) for t in times]}", flush=True)
         digest = command("digest")
