@@ -174,12 +174,15 @@ def _probe(
     size: int,
     repeats: int,
     signals: bool = False,
+    alternate: bool = False,
 ) -> list[float]:
     """A plain event-chained stream through ``count`` buffers; its time per version.
 
     ``signals``: chained by counters in device memory instead
     (:mod:`aiosync.planes.cuda_signals`): the trainer queues every pack at once, each
-    behind a wait for the engine's counter, and reads the engine's lines only at the end.
+    behind a wait for the engine's counter, and reads the engine's lines only at the end;
+    ``alternate`` (with ``signals``): each pack waits for the engine's last apply, not for
+    the one that last used its buffer, so the two processes never have work ready at once.
     """
     from aiosync.bench.cuda_dropin import _timed
     from aiosync.core.layout import pack_bucket, plan_buckets
@@ -212,8 +215,9 @@ def _probe(
             i = k % count
             n = done[0] + k
             if counters is not None:
-                if k >= count or done[0]:
-                    wait_value(stream.cuda_stream, counters.tensor.data_ptr() + 256, n - count + 1)
+                after = n if alternate else n - count + 1  # applies done before this pack
+                if after > 0:
+                    wait_value(stream.cuda_stream, counters.tensor.data_ptr() + 256, after)
             elif k >= count:
                 int(stdout.readline())  # bucket k - count applied: its event is recorded
                 stream.wait_event(applied[i])
@@ -398,8 +402,9 @@ def trainer(args: argparse.Namespace) -> None:
             marks = {"trainer": trainer_marks, "engine": engine_marks}
             Path(args.out, "timeline_marks.json").write_text(json.dumps(marks))
         for probe in args.probe.split(",") if cuda and args.probe else []:
-            count, mb = (int(x) for x in probe.rstrip("s").split("x"))
-            times = _probe(model, proc, count, mb * MiB, args.repeats, probe.endswith("s"))
+            count, mb = (int(x) for x in probe.rstrip("sa").split("x"))
+            flags = probe[len(probe.rstrip("sa")) :]
+            times = _probe(model, proc, count, mb * MiB, args.repeats, "s" in flags, "a" in flags)
             out["probe " + probe] = {"median_s": statistics.median(times), "times_s": times}
             print(f"probe {probe}: {[round(t * 1e3, 2) for t in times]}", flush=True)
         digest = command("digest")
