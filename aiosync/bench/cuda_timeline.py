@@ -124,10 +124,10 @@ def _probe_engine(model: dict[str, torch.Tensor], spec: dict[str, Any]) -> None:
     With ``signals`` in ``spec``: per line ``k i n``, the stream waits until the trainer's
     counter reaches ``n + 1``, copies, then sets its own counter to ``n + 1``.
     """
+    from aiosync.bench.gpu_counters import wait_value, write_value
     from aiosync.core.layout import plan_buckets, tensor_bytes
     from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
-    from aiosync.planes.cuda_signals import wait_value, write_value
 
     size = spec["size"]
     buffers = [DeviceMemory.open(bytes.fromhex(h), size, 0) for h in spec["handles"]]
@@ -179,16 +179,16 @@ def _probe(
     """A plain event-chained stream through ``count`` buffers; its time per version.
 
     ``signals``: chained by counters in device memory instead
-    (:mod:`aiosync.planes.cuda_signals`): the trainer queues every pack at once, each
+    (:mod:`aiosync.bench.gpu_counters`): the trainer queues every pack at once, each
     behind a wait for the engine's counter, and reads the engine's lines only at the end;
     ``alternate`` (with ``signals``): each pack waits for the engine's last apply, not for
     the one that last used its buffer, so the two processes never have work ready at once.
     """
     from aiosync.bench.cuda_dropin import _timed
+    from aiosync.bench.gpu_counters import wait_value, write_value
     from aiosync.core.layout import pack_bucket, plan_buckets
     from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
-    from aiosync.planes.cuda_signals import wait_value, write_value
 
     assert proc.stdin is not None
     assert proc.stdout is not None

@@ -1,16 +1,17 @@
-"""Counters in device memory that streams wait on and write: GPU-side hand-overs.
+"""Counters in device memory that streams wait on and write: GPU-side hand-overs (a probe).
 
 An interprocess event can only be waited on after its record was queued (a wait covers the
 last record made before it), so a process may queue work behind another's only once a
 host message said the record is there. A counter has no such race: a stream waits until
-the 32-bit word at an address is at least a value (``cuStreamWaitValue32``), and another
+the 32-bit word at an address reaches a value (``cuStreamWaitValue32``), and another
 stream, in any process that maps the memory, sets it once its earlier work is done
 (``cuStreamWriteValue32``, with a memory barrier). Work can then be queued long before the
-work it waits on, and no host sits between the two.
+work it waits on, with no host between the two.
 
-A waiting stream waits forever if the value never comes: whoever queued a wait on a peer
-must, when that peer is gone, write the value itself (:func:`write_now`) so the stream
-drains.
+Used by :mod:`aiosync.bench.cuda_timeline`'s probe to measure what taking the hosts off
+the hand-overs would gain (nothing, on one H200: docs/benchmarks.md). Not used by the
+library: a stream waiting on a peer's counter waits forever if the peer is gone, and any
+device-wide synchronisation queued behind it with it.
 """
 
 from __future__ import annotations
@@ -66,16 +67,3 @@ def write_value(stream: int, address: int, value: int) -> None:
         stream or None, address, value & 0xFFFFFFFF, _WRITE_DEFAULT
     )
     _check(code, "cuStreamWriteValue32")
-
-
-def write_now(device: int, address: int, value: int) -> None:
-    """Set the word at ``address`` to ``value`` now, on a stream of its own, and wait for it.
-
-    What releases streams left waiting on a peer that is gone.
-    """
-    import torch
-
-    with torch.cuda.device(device):
-        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        write_value(stream.cuda_stream, address, value)
-        stream.synchronize()  # type: ignore[no-untyped-call]
