@@ -140,22 +140,46 @@ def trainer(args: argparse.Namespace) -> None:
                     if version == args.versions - 1 and args.profile_from is not None:
                         profiled.stop(args.versions - args.profile_from)
                     digests = {n: digest(t) for n, t in tensors.items()}
-                    emit("sent", version=version, digests=digests, bytes=report.bytes)
+                    ahead = getattr(sender._plane, "_count", None)  # buckets sent ahead
+                    emit("sent", version=version, digests=digests, bytes=report.bytes, ahead=ahead)
 
     run(main)
 
 
+def waiting_engine(args: argparse.Namespace) -> None:
+    """Open a trainer's plane (its spec in hex), queue a copy behind a counter value the
+    trainer never sets, then close the plane: the close must let the stream go."""
+    import msgspec
+
+    from aiosync.core.wire import CudaLegacyPlaneSpec
+    from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
+
+    spec = msgspec.msgpack.decode(bytes.fromhex(args.spec), type=CudaLegacyPlaneSpec)
+    plane = CudaLegacyReceiverPlane(spec, torch.device(args.device))
+    target = torch.zeros(16, dtype=torch.uint8, device=args.device)
+    plane.wait_after(1)
+    target.copy_(plane.view(0, 16))  # queued behind the wait
+    done = torch.cuda.Event()
+    done.record()
+    emit("waiting", pending=not done.query())
+    plane.close()
+    torch.cuda.synchronize()
+    emit("closed", copied=target.tolist())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["engine", "trainer"])
+    parser.add_argument("role", choices=["engine", "trainer", "waiting_engine"])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--endpoint", default=None)
     parser.add_argument("--versions", type=int, default=1)
     parser.add_argument("--profile-from", type=int, default=None)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--spec", default="")
     args = parser.parse_args()
-    engine(args) if args.role == "engine" else trainer(args)
+    roles = {"engine": engine, "trainer": trainer, "waiting_engine": waiting_engine}
+    roles[args.role](args)
 
 
 if __name__ == "__main__":

@@ -353,8 +353,8 @@ async def test_a_bucket_1_sent_early_that_the_read_contradicts_fails_once(
     model, engine = Net(), Net()
     log: list[str] = []
 
-    def wrong(version: int, plan: BucketPlan) -> bytes | None:
-        return right(version + 100, plan)  # a message the read would not make
+    def wrong(version: int, plan: BucketPlan, *args: Any, **kwargs: Any) -> bytes | None:
+        return right(version + 100, plan, *args, **kwargs)  # one the read would not make
 
     async with direct_pair(model, ModuleSink(engine), log) as (receiver, sender):
         for version in range(3):

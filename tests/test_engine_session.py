@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 
 import aiosync.core.engine_session as engine_session
@@ -1351,3 +1352,25 @@ def test_a_begin_carrying_a_bucket_while_a_version_is_open_is_one_protocol_error
     assert "while version 0 is open" in aborts[0].reason
     assert engine.protocol_errors == 1
     assert not applies(actions)
+
+
+def test_a_bucket_sent_ahead_of_its_packing_needs_protocol_4() -> None:
+    engine = machine(model())
+    ready = reply(send(engine, hello(high=3)))
+    assert isinstance(ready, Ready)
+    assert ready.protocol == 3
+    send(engine, Begin(0, MANIFEST))
+    ahead = msgspec.structs.replace(by_slots(0, 1, [Slot(0, 0, 16)]), after=1)
+    actions = send(engine, ahead)
+    assert not applies(actions)
+    assert is_protocol_abort(actions, PEER, "protocol 4")
+
+
+def test_a_bucket_sent_ahead_in_a_protocol_4_session_is_applied_with_its_value() -> None:
+    engine = connected(model())
+    send(engine, Begin(0, MANIFEST))
+    ahead = msgspec.structs.replace(by_slots(0, 1, [Slot(0, 0, 16)]), after=3)
+    (apply,) = applies(engine.receive(PEER, ahead, 0.0))
+    assert apply.after == 3
+    (plain,) = applies(engine.receive(PEER, by_slots(0, 2, [Slot(1, 0, 16)], buffer=1), 0.0))
+    assert plain.after is None

@@ -11,8 +11,8 @@ them without gates (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in dire
 (the engine copies out of this process's tensors, each its own region: an allocation on
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
 tensors as views of one allocation or segment); ``e`` sends each ``begin`` after the read,
-not before it (:mod:`aiosync.pipeline.early_begin`), and ``b`` a direct bucket 1 after
-the read, not with that begin; ``q`` applies every bucket in the engine's worker thread
+not before it (:mod:`aiosync.pipeline.early_begin`), and ``b`` bucket 1 after the read,
+not with that begin; ``q`` applies every bucket in the engine's worker thread
 (:mod:`aiosync.engine.quick_apply`). It then streams ``--traced`` more versions of
 the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
@@ -124,8 +124,8 @@ def _probe_engine(model: dict[str, torch.Tensor], spec: dict[str, Any]) -> None:
     With ``signals`` in ``spec``: per line ``k i n``, the stream waits until the trainer's
     counter reaches ``n + 1``, copies, then sets its own counter to ``n + 1``.
     """
-    from aiosync.bench.gpu_counters import wait_value, write_value
     from aiosync.core.layout import plan_buckets, tensor_bytes
+    from aiosync.planes.cuda_counters import wait_value, write_value
     from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
 
@@ -179,14 +179,14 @@ def _probe(
     """A plain event-chained stream through ``count`` buffers; its time per version.
 
     ``signals``: chained by counters in device memory instead
-    (:mod:`aiosync.bench.gpu_counters`): the trainer queues every pack at once, each
+    (:mod:`aiosync.planes.cuda_counters`): the trainer queues every pack at once, each
     behind a wait for the engine's counter, and reads the engine's lines only at the end;
     ``alternate`` (with ``signals``): each pack waits for the engine's last apply, not for
     the one that last used its buffer, so the two processes never have work ready at once.
     """
     from aiosync.bench.cuda_dropin import _timed
-    from aiosync.bench.gpu_counters import wait_value, write_value
     from aiosync.core.layout import pack_bucket, plan_buckets
+    from aiosync.planes.cuda_counters import wait_value, write_value
     from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
 
@@ -309,7 +309,7 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     tensor / one region in all; ``w`` puts up to 1024 regions in a direct bucket, not 64;
     ``t`` reads a direct version in a worker thread, never on the loop; ``n`` queues every
     batch of copies copy by copy (no CUDA graphs); ``e`` sends each ``begin`` after the read
-    (no early begin); ``b`` sends a direct bucket 1 after the read, not with the begin;
+    (no early begin); ``b`` sends bucket 1 after the read, not with the begin;
     ``q`` has the engine apply every bucket in a worker thread (no quick applies), ``l``
     inline up to 1 ms of host work, not 0.5; ``p`` sends an early direct bucket 1 in a
     message of its own after the begin (protocol 2's way), not inside it.

@@ -117,9 +117,11 @@ def trainer_switches(flags: list[str]) -> None:
     a worker thread (as before :meth:`~aiosync.trainer.direct.DirectReader.read_kept`: no
     read on the loop); ``e``: every ``begin`` goes after the read, as before (no
     :mod:`~aiosync.pipeline.early_begin` guess); ``b``: a direct bucket 1 goes after the
-    read, not with an early begin; ``p``: an early direct bucket 1 goes after the begin
-    in a message of its own, as protocol 2 sends it, not inside it.
+    read, not with an early begin, and so does a packed one (not ahead of its packing,
+    protocol 4); ``p``: an early direct bucket 1 goes after the begin in a message of its
+    own, as protocol 2 sends it, not inside it.
     """
+    from aiosync.core.layout_memory import LayoutMemory
     from aiosync.pipeline import early_begin
     from aiosync.trainer.direct import DirectReader
     from aiosync.trainer.sender import WeightSender
@@ -131,6 +133,7 @@ def trainer_switches(flags: list[str]) -> None:
     _switch(WeightSender, "_read_here", lambda *_: None, "t" in flags)
     _switch(WeightSender, "_begin_early", never, "e" in flags)
     _switch(DirectReader, "kept_first", lambda _: None, "b" in flags)
+    _switch(LayoutMemory, "kept_first", lambda _: None, "b" in flags)
     _switch(early_begin, "carries_first", lambda _: False, "p" in flags)
 
 

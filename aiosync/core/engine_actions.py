@@ -41,7 +41,9 @@ class Apply:
 
     ``regions``: the bucket's trainer memory (direct mode), unchecked: the plane checks them.
     ``digest``/``held``: the bucket's content digest, and whether the engine's own store
-    (not the buffer) holds its bytes (:mod:`aiosync.engine.held`).
+    (not the buffer) holds its bytes (:mod:`aiosync.engine.held`). ``after``: the reads
+    wait until the trainer's counter reaches it (``Bucket.after``), unchecked: the plane
+    checks it.
     """
 
     peer: Peer
@@ -53,6 +55,7 @@ class Apply:
     regions: list[Region] = field(default_factory=list)
     digest: bytes | None = None
     held: bool = False
+    after: int | None = None
 
 
 @dataclass(frozen=True)

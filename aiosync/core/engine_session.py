@@ -243,6 +243,8 @@ class EngineSession:
             return self._protocol_error(
                 peer, f"bucket seq {bucket.seq} out of order (expected {stream.next_seq})"
             )
+        if bucket.after is not None and session.protocol < 4:
+            return self._protocol_error(peer, "a bucket sent ahead of its packing (protocol 4)")
         stream.next_seq += 1
         try:
             specs = stream.resolve(bucket, session.sizes)
@@ -251,7 +253,7 @@ class EngineSession:
         if not self.staged:
             self.servable = False
         where = (bucket.buffer, bucket.used, specs, bucket.regions, bucket.digest, bucket.held)
-        return [Apply(peer, bucket.version, bucket.seq, *where)]
+        return [Apply(peer, bucket.version, bucket.seq, *where, bucket.after)]
 
     def applied(self, peer: Peer, seq: int, now: float) -> list[Action]:
         """The sink took bucket ``seq``: acknowledge it."""

@@ -91,6 +91,21 @@ class LayoutMemory:
     def __init__(self) -> None:
         self._kept: _Kept | None = None
 
+    def kept_first(self) -> BucketPlan | None:
+        """Bucket 1 of the kept layout, with the slots its message was made with, if any.
+
+        A guess, before reading: a read that keeps the layout hands out a plan with the
+        very same specs list (:meth:`_Kept.rebuild`). None without a kept layout, or where
+        bucket 1 is a chunk of a tensor larger than a buffer, or its slots were never made.
+        """
+        kept = self._kept
+        if kept is None or not kept.layout.items:
+            return None
+        first = kept.layout.items[0]
+        if not isinstance(first, BucketPlan) or first.slots is None:
+            return None
+        return first
+
     def lay_out(
         self,
         pairs: Collection[tuple[str, Any]],

@@ -26,7 +26,7 @@ from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 3
+PROTOCOL_MAX = 4
 """The range of protocol versions this build speaks (bumped when a message changes shape).
 
 3: ``Begin.first`` (bucket 1 in the begin's message), sent only to engines that chose 3.
@@ -81,12 +81,15 @@ class CudaLegacyPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_legacy"):
 
     ``handles`` are ``cudaIpcMemHandle_t`` bytes, ``events`` one ``cudaIpcEventHandle_t``
     per buffer, recorded once a bucket is packed there (see :mod:`aiosync.planes.cuda_legacy`).
+    ``counter``: the handle of the trainer's counter, a word of device memory it sets as it
+    packs a bucket sent ahead (``Bucket.after``); empty: none.
     """
 
     device: int
     size: int
     handles: list[bytes]
     events: list[bytes] = []
+    counter: bytes = b""
 
     @property
     def sizes(self) -> list[int]:
@@ -251,6 +254,8 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     through, in order. ``digest``: the SHA-256 of the bucket's bytes (the engine may keep
     them by it, to resume an interrupted version); ``held``: the engine holds these bytes
     already (it said so), so it reads them from its own store, not from ``buffer``.
+    ``after`` (protocol 4, a CUDA plane with a ``counter``): the bucket was sent before the
+    trainer packed it; its reads wait until the trainer's counter reaches this value.
     """
 
     version: int
@@ -262,6 +267,7 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     regions: list[Region] = []
     digest: bytes | None = None
     held: bool = False
+    after: int | None = None
 
 
 class Complete(msgspec.Struct, frozen=True, tag="complete"):

@@ -6,15 +6,18 @@ both before its first copy (docs/benchmarks.md). A trainer usually sends the sam
 dtypes and shapes every version, so the sender guesses that this version's manifest is the
 last one's and sends that ``begin`` first: the engine wakes and checks it while the trainer
 reads its tensors. If the read shows another manifest, or fails, the guess is withdrawn
-(an ``abort`` of the version) and the version begins again as usual. In direct mode a kept
-bucket 1 may have gone with the ``begin`` (see :func:`begin_early`): an engine then applied
-it before the withdrawal, which it treats as any abort.
+(an ``abort`` of the version) and the version begins again as usual. A kept bucket 1
+may have gone with the ``begin`` (see :func:`begin_early`): an engine then applied it
+before the withdrawal, which it treats as any abort. In direct mode its copies wait on the
+trainer's start event; a ring bucket is packed only after the read, so its message names
+the value of the trainer's counter that the pack sets (protocol 4, the CUDA plane's
+``arm``), and a withdrawal sets it too (``release``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -37,9 +40,10 @@ class EarlyBegin:
 
     Each link's stream is open with the ``begin`` awaiting its ack, exactly as if the
     pipeline had sent it (:class:`~aiosync.pipeline.stream.StreamRun` takes it from there
-    with ``begun=``), until :meth:`withdraw`. With a ``first`` plan (a direct bucket kept
-    from the last version), bucket 1's message ``first_payload`` went out after the begin
-    too (``sent_first=``).
+    with ``begun=``), until :meth:`withdraw`. With a ``first`` plan (a bucket kept from the
+    last version), bucket 1 went with the begin too; ``first_payload`` is its message as
+    the fanout makes it once the version is read (``sent_first=``, to confirm). ``release``
+    runs on a withdrawal (the plane sets a counter that the bucket's reads wait for).
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class EarlyBegin:
         links: list[EngineLink],
         first: BucketPlan | None = None,
         first_payload: bytes | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.version = version
         self.manifest = manifest
@@ -57,16 +62,20 @@ class EarlyBegin:
         self.links = links
         self.first = first
         self.first_payload = first_payload
+        self.release = release
 
     def holds(self, manifest: list[TensorMeta] | None, first: BucketPlan | None) -> bool:
         """Whether the version read is the guess.
 
         Its manifest (the same list, or equal) and, if bucket 1 went too, the very plan it
-        was made from.
+        was made from, or (a layout kept and rebuilt) one with the same list of specs.
         """
         if manifest is not self.manifest and manifest != self.manifest:
             return False
-        return self.first is None or first is self.first
+        kept = self.first
+        if kept is None or first is kept:
+            return True
+        return first is not None and first.specs is kept.specs and first.used == kept.used
 
     async def withdraw(self, reason: str) -> None:
         """Tell each engine to drop the stream; never raises.
@@ -77,6 +86,11 @@ class EarlyBegin:
         the same links.
         """
         message = encode(Abort(reason, self.version, withdrawn=True))
+        if self.release is not None:
+            try:
+                self.release()
+            except Exception:  # the engines still drop the stream; log why
+                log.exception("could not release bucket 1 of version %d", self.version)
         with anyio.CancelScope(shield=True):
             for link in self.links:
                 link.session.failed()
@@ -92,18 +106,27 @@ def carries_first(links: Sequence[EngineLink]) -> bool:
     return all((link.session.protocol or 0) >= 3 for link in links)
 
 
+def takes_ahead(links: Sequence[EngineLink]) -> bool:
+    """Whether a bucket may go ahead of its packing (``Bucket.after``): protocol 4 or later."""
+    return all((link.session.protocol or 0) >= 4 for link in links)
+
+
 async def begin_early(
     links: Sequence[EngineLink],
     version: int,
     guess: list[TensorMeta],
     first: BucketPlan | None = None,
+    after: int | None = None,
+    release: Callable[[], None] | None = None,
 ) -> EarlyBegin | None:
     """Send ``version``'s ``begin`` with manifest ``guess`` to every link, or to none.
 
-    With ``first`` (a direct plan the last version's split made, kept), bucket 1 goes with
-    each ``begin``: inside its message where every engine speaks protocol 3 (one message
-    to wake for and decode), else right after it. The engines then start copying while
-    the trainer checks its tensors.
+    With ``first`` (a direct plan the last version's split made, kept; or, with ``after``,
+    the first ring plan of the layout kept from the last version), bucket 1 goes with each
+    ``begin``: inside its message where every engine speaks protocol 3 (one message to
+    wake for and decode), else right after it. The engines then start copying while the
+    trainer checks its tensors (a ring bucket's copies wait until the plane's pack sets
+    its counter to ``after``). ``release`` runs if the guess is withdrawn.
     None where nothing can go now: an engine would not take the manifest whole (the
     version then goes without one), an engine is not behind ``version``, a link is a REQ
     socket (one message at a time), or a send failed (the ones that went are withdrawn).
@@ -114,7 +137,8 @@ async def begin_early(
         if link.window is not None or (remote is not None and version <= remote):
             return None
     flags = {"empty": False, "rebase": False}
-    bucket = None if first is None else kept_first_payload(version, first)
+    bucket = None if first is None else kept_first_payload(version, first, after)
+    as_read = None if first is None else kept_first_payload(version, first, after, as_read=True)
     inside = bucket if bucket is not None and carries_first(links) else None
     payload, carried = encode_begin(version, guess, flags, limits, inside)
     if carried is None and inside is not None:  # too large together: two messages
@@ -122,7 +146,7 @@ async def begin_early(
         payload, carried = encode_begin(version, guess, flags, limits)
     if carried is None:
         return None
-    early = EarlyBegin(version, guess, payload, [], first if bucket else None, bucket)
+    early = EarlyBegin(version, guess, payload, [], first if bucket else None, as_read, release)
     try:
         for link in links:
             link.session.begin(version)

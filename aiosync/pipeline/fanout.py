@@ -62,32 +62,43 @@ class EarlyBucketMismatch(MismatchError):
 
 
 def bucket_payload(
-    version: int, seq: int, index: int, plan: BucketPlan, slots: list[Slot] | None
+    version: int,
+    seq: int,
+    index: int,
+    plan: BucketPlan,
+    slots: list[Slot] | None,
+    after: int | None = None,
 ) -> bytes:
     """The encoded bucket message of ``plan`` in buffer ``index``.
 
     By manifest ``slots``, or naming its specs (no manifest); a direct plan's regions go
-    with it.
+    with it; ``after``: sent ahead of its packing, its reads wait for that counter value.
     """
     if slots is not None:
-        bucket = Bucket(version, seq, index, plan.used, slots=slots)
+        bucket = Bucket(version, seq, index, plan.used, slots=slots, after=after)
     else:
-        bucket = Bucket(version, seq, index, plan.used, specs=plan.specs)
+        bucket = Bucket(version, seq, index, plan.used, specs=plan.specs, after=after)
     regions = getattr(plan, "regions", None)
     if regions:
         bucket = msgspec.structs.replace(bucket, regions=regions)
     return encode(bucket)
 
 
-def kept_first_payload(version: int, plan: BucketPlan) -> bytes | None:
-    """Bucket 1 of ``version`` as a direct ``plan`` kept from the last version encodes it.
+def kept_first_payload(
+    version: int, plan: BucketPlan, after: int | None = None, *, as_read: bool = False
+) -> bytes | None:
+    """Bucket 1 of ``version`` as a ``plan`` kept from the last version encodes it.
 
-    None unless ``plan`` is direct and carries the slots made for it then: the very bytes
-    :class:`BucketFanout` makes for it (so the read can confirm them).
+    None unless ``plan`` carries the slots made for it then, and is either direct or, with
+    ``after``, a ring plan (into :data:`FIRST_BUFFER`): sent ahead of its packing, its
+    reads wait for that counter value. ``as_read``: the bytes :class:`BucketFanout` makes
+    for the same plan once the version is read (no ``after``), which the read confirms.
     """
-    if not getattr(plan, "regions", None) or plan.slots is None:
+    regions = getattr(plan, "regions", None)
+    if plan.slots is None or not (regions or after is not None):
         return None
-    return bucket_payload(version, 1, plan.buffer, plan, plan.slots)  # type: ignore[attr-defined]
+    index = plan.buffer if regions else FIRST_BUFFER  # type: ignore[attr-defined]
+    return bucket_payload(version, 1, index, plan, plan.slots, None if as_read else after)
 
 
 class BucketFanout:

@@ -44,8 +44,15 @@ def view_parts(plane: ReceiverPlane, action: Apply) -> list[tuple[torch.Tensor, 
     """An applied bucket as (flat bytes, specs) pairs for the sink: one, or one per region.
 
     A direct plane (:mod:`aiosync.planes.direct`) checks and opens the bucket's regions;
-    any other plane refuses a bucket that names regions.
+    any other plane refuses a bucket that names regions. A bucket sent ahead of its packing
+    (``after``) first has this thread's stream wait on the trainer's counter; a plane with
+    no counter refuses it.
     """
+    if action.after is not None:
+        wait_after = getattr(plane, "wait_after", None)
+        if wait_after is None:
+            raise ProtocolError("a bucket sent ahead of its packing, but the plane has no counter")
+        wait_after(action.after)
     parts = getattr(plane, "parts", None)
     if parts is not None:
         found: list[tuple[torch.Tensor, list[TensorSpec]]]

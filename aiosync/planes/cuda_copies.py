@@ -49,6 +49,7 @@ import torch
 
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, is_plain
+from aiosync.planes.cuda_counters import wait_value
 from aiosync.planes.cuda_graphs import CopyGraph, CopyJob
 from aiosync.planes.cuda_runtime import memcpy_async
 
@@ -78,13 +79,53 @@ def wait_gate(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
     """Make ``stream`` wait on ``event`` (another process's), and the next batch's side streams.
 
     The next :meth:`DeviceCopies.queue` on this thread makes its side streams wait on every
-    event so noted since the last one, before its fork (see the module's docstring).
+    gate so noted since the last one, before its fork (see the module's docstring).
     """
     stream.wait_event(event)
-    noted: list[torch.cuda.Event] | None = getattr(_next, "gates", None)
+    _note_gate(event)
+
+
+class CounterGate:
+    """A wait until another process's counter (a device word) reaches ``value``, as a gate.
+
+    It never counts as fired: a batch behind one is never a graph.
+    """
+
+    def __init__(self, address: int, value: int) -> None:
+        self.address = address
+        self.value = value
+
+    def wait(self, stream: torch.cuda.Stream) -> None:
+        """Queue the wait on ``stream``."""
+        wait_value(stream.cuda_stream, self.address, self.value)
+
+    def query(self) -> bool:
+        """Whether the wait is known to be over: never, from the host."""
+        return False
+
+
+def wait_counter_gate(stream: torch.cuda.Stream, gate: CounterGate) -> None:
+    """:func:`wait_gate` for a counter: ``stream`` and the next batch's side streams wait."""
+    gate.wait(stream)
+    _note_gate(gate)
+
+
+Gate = torch.cuda.Event | CounterGate
+"""What a batch's side streams wait on before their fork."""
+
+
+def _note_gate(gate: Gate) -> None:
+    noted: list[Gate] | None = getattr(_next, "gates", None)
     if noted is None:
         noted = _next.gates = []
-    noted.append(event)
+    noted.append(gate)
+
+
+def _wait(stream: torch.cuda.Stream, gate: Gate) -> None:
+    if isinstance(gate, CounterGate):
+        gate.wait(stream)
+    else:
+        stream.wait_event(gate)
 
 
 def one_stream_next() -> None:
@@ -117,8 +158,8 @@ def _forget_hints() -> None:
     _next.graph = False
 
 
-def _take_gates() -> list[torch.cuda.Event]:
-    noted: list[torch.cuda.Event] = getattr(_next, "gates", None) or []
+def _take_gates() -> list[Gate]:
+    noted: list[Gate] = getattr(_next, "gates", None) or []
     _next.gates = []
     return noted
 
@@ -201,7 +242,7 @@ class DeviceCopies:
             fork.record(stream)
             for side in sides:
                 for gate in gates:
-                    side.wait_event(gate)
+                    _wait(side, gate)
                 side.wait_event(fork)
             handles = [stream.cuda_stream] + [side.cuda_stream for side in sides]
             try:
@@ -212,7 +253,7 @@ class DeviceCopies:
                     join.record(side)
                     stream.wait_event(join)
 
-    def _may_graph(self, gates: list[torch.cuda.Event]) -> bool:
+    def _may_graph(self, gates: list[Gate]) -> bool:
         """Whether this batch may run as a graph: no other process's event is pending.
 
         A graph's chains wait on the caller's stream, which is this process's: while that

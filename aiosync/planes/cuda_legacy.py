@@ -18,6 +18,17 @@ session as plain bytes (the trainer's in the hello's plane spec, the engine's in
 An event wait covers the last record made before it, and each record is made before the
 message that leads to the wait is sent, so the order holds across the two processes.
 
+Bucket 1 may go before it is packed (protocol 4, with the ``begin`` sent before the read:
+:mod:`aiosync.pipeline.early_begin`), so that the engine queues its copies while the
+trainer still reads its tensors. An event cannot order that (the engine's wait would cover
+the last version's record), so the trainer also owns a counter, a word of its own device
+memory (:mod:`aiosync.planes.cuda_counters`): :meth:`CudaLegacySenderPlane.arm` gives the
+value the bucket's message names (``Bucket.after``), the buffer's next pack sets it on the
+packing stream once its copies are queued, and the engine's stream waits until the word
+reaches it (:meth:`CudaLegacyReceiverPlane.wait_after`). The trainer only ever writes its
+own word; should its session end while an engine's stream still waits, the engine sets
+the word itself when it closes the plane.
+
 Host time per bucket is kept short, since with two buffers the next pack can be queued
 only after an engine's ack: plain tensors on the buffer's device are queued by address
 (``cudaMemcpyAsync``, spread over two streams: :mod:`aiosync.planes.cuda_copies`), as are
@@ -31,13 +42,26 @@ import logging
 
 import torch
 
-from aiosync.core.errors import AiosyncError
+from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import CudaLegacyPlaneSpec
-from aiosync.planes.cuda_copies import DeviceCopies, hint_scope, plain_jobs, wait_gate
+from aiosync.planes.cuda_copies import (
+    CounterGate,
+    DeviceCopies,
+    hint_scope,
+    plain_jobs,
+    wait_counter_gate,
+    wait_gate,
+)
+from aiosync.planes.cuda_counters import reached, write_now, write_value
 from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
 log = logging.getLogger(__name__)
+
+COUNTER_BYTES = 512
+"""Bytes of the trainer's counter memory (one 32-bit word is used)."""
+COUNTER_MAX = 1 << 31
+"""Counter values a bucket may name: 1 to this, each above the last (the word wraps at 2**32)."""
 
 
 def _new_event(device: int) -> tuple[torch.cuda.Event, bytes]:
@@ -84,9 +108,18 @@ class CudaLegacySenderPlane:
         self._device = index
         self._capacity = capacity
         self._buffers: list[DeviceMemory] = []
+        self._counter: DeviceMemory | None = None
+        self._armed: tuple[int, int] | None = None  # (buffer, value) its next pack sets
+        self._count = 0  # the counter's last value handed out
+        self._copies = DeviceCopies(index)
+        self._peer_events: dict[bytes, torch.cuda.Event] = {}
         try:
             for _ in range(count):
                 self._buffers.append(DeviceMemory.allocate(capacity, index))
+            self._counter = DeviceMemory.allocate(COUNTER_BYTES, index)
+            with torch.cuda.device(index):
+                self._counter.tensor.zero_()
+                torch.cuda.current_stream(index).synchronize()  # type: ignore[no-untyped-call]
         except BaseException:
             self.close()
             raise
@@ -97,11 +130,10 @@ class CudaLegacySenderPlane:
             size=capacity,
             handles=[buffer.handle for buffer in self._buffers],
             events=[handle for _, handle in made],
+            counter=self._counter.handle,
         )
         self._stream: torch.cuda.Stream | None = None
         self._waits: list[list[bytes]] = [[] for _ in range(count)]
-        self._peer_events: dict[bytes, torch.cuda.Event] = {}
-        self._copies = DeviceCopies(index)
 
     @property
     def spec(self) -> CudaLegacyPlaneSpec:
@@ -130,24 +162,55 @@ class CudaLegacySenderPlane:
         if index < len(events):
             self._waits[index].append(events[index])
 
+    def arm(self, index: int) -> int:
+        """The counter value a bucket sent ahead of its packing into buffer ``index`` names.
+
+        The buffer's next :meth:`pack` sets the counter to it (or :meth:`disarm`, if no
+        pack comes). One bucket at a time.
+        """
+        if self._armed is not None:
+            raise AiosyncError("a bucket sent ahead is still to be packed")
+        self._count += 1
+        self._armed = (index, self._count)
+        return self._count
+
+    def disarm(self) -> None:
+        """Set the counter now if the bucket sent ahead was not packed (its read failed).
+
+        The engines' reads that wait on it then go on (the version is withdrawn).
+        """
+        armed, self._armed = self._armed, None
+        if armed is not None and self._counter is not None:
+            write_now(self._device, self._counter.tensor.data_ptr(), armed[1])
+
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Queue the bucket's copies after the engines' last reads of the buffer; no wait."""
         stream = self._stream or torch.cuda.current_stream(self._device)
         with torch.cuda.device(self._device), torch.cuda.stream(stream), hint_scope():
-            waits, self._waits[index] = self._waits[index], []
-            for handle in waits:
-                event = self._peer_events.get(handle)
-                if event is None:
-                    event = self._peer_events[handle] = _open_event(self._device, handle)
-                wait_gate(stream, event)
-            _pack(self._buffers[index], plan, stream, self._copies)
-            self._packed[index].record(stream)
+            try:
+                waits, self._waits[index] = self._waits[index], []
+                for handle in waits:
+                    event = self._peer_events.get(handle)
+                    if event is None:
+                        event = self._peer_events[handle] = _open_event(self._device, handle)
+                    wait_gate(stream, event)
+                _pack(self._buffers[index], plan, stream, self._copies)
+                self._packed[index].record(stream)
+            finally:  # a bucket sent ahead: its reads may go (after a failure too)
+                armed = self._armed
+                if armed is not None and armed[0] == index and self._counter is not None:
+                    self._armed = None
+                    write_value(stream.cuda_stream, self._counter.tensor.data_ptr(), armed[1])
 
     async def publish(self, index: int, used: int) -> None:
         """Nothing to do: engines read the same device memory."""
 
     def close(self) -> None:
         """Free the buffers once the device is idle (idempotent)."""
+        self.disarm()
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.close()
         self._copies.close()
         for buffer in self._buffers:
             buffer.close()
@@ -166,16 +229,41 @@ class CudaLegacyReceiverPlane:
         if spec.events and len(spec.events) != len(spec.handles):
             raise AiosyncError(f"{len(spec.events)} events for {len(spec.handles)} CUDA buffers")
         self._buffers: list[DeviceMemory] = []
+        self._counter: DeviceMemory | None = None
+        self._after = 0  # the last counter value a bucket's reads waited for
+        self._waited: torch.cuda.Event | None = None  # recorded behind that wait
         try:
             for handle in spec.handles:
                 self._buffers.append(DeviceMemory.open(handle, spec.size, self._device))
             self._packed = [_open_event(self._device, handle) for handle in spec.events]
+            if spec.counter:
+                self._counter = DeviceMemory.open(spec.counter, COUNTER_BYTES, self._device)
         except BaseException:
             self.close()
             raise
         made = [_new_event(self._device) for _ in spec.events]
         self._applied = [event for event, _ in made]
         self.events = [handle for _, handle in made]
+
+    def wait_after(self, value: int) -> None:
+        """Make this thread's stream wait until the trainer's counter reaches ``value``.
+
+        For a bucket sent ahead of its packing (``Bucket.after``); the next batch's side
+        streams wait too. A value that is not above the last one (up to
+        :data:`COUNTER_MAX`), or a trainer without a counter, is a :class:`ProtocolError`.
+        """
+        if self._counter is None:
+            raise ProtocolError(
+                "a bucket sent ahead of its packing, but the trainer has no counter"
+            )
+        if not self._after < value <= COUNTER_MAX:
+            raise ProtocolError(f"counter value {value} does not follow {self._after}")
+        stream = torch.cuda.current_stream(self._device)
+        wait_counter_gate(stream, CounterGate(self._counter.tensor.data_ptr(), value))
+        self._after = value
+        if self._waited is None:
+            self._waited = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._waited.record(stream)
 
     def view(self, index: int, used: int) -> torch.Tensor:
         """The first ``used`` bytes of buffer ``index``, after the trainer's packing.
@@ -192,7 +280,19 @@ class CudaLegacyReceiverPlane:
             self._applied[index].record(torch.cuda.current_stream(self._device))
 
     def close(self) -> None:
-        """Unmap the buffers once the device is idle (idempotent)."""
+        """Unmap the buffers once the device is idle (idempotent).
+
+        A stream still waiting on the trainer's counter (its session ended before it set
+        it) is let go first: the engine sets the word itself.
+        """
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            waited, self._waited = self._waited, None
+            pending = waited is not None and not waited.query()  # type: ignore[no-untyped-call]
+            if pending and not reached(counter.tensor, self._after):
+                log.warning("the trainer's counter never reached %d: released", self._after)
+                write_now(self._device, counter.tensor.data_ptr(), self._after)
+            counter.close()
         for buffer in self._buffers:
             buffer.close()
         self._buffers.clear()

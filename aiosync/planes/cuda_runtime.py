@@ -83,6 +83,31 @@ def runtime() -> ctypes.CDLL:
         return _runtime
 
 
+_driver: ctypes.CDLL | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> ctypes.CDLL:
+    """The CUDA driver library (the one torch loaded), with the signatures aiosync calls."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuPointerGetAttributes.argtypes = [
+                ctypes.c_uint,
+                ctypes.POINTER(ctypes.c_int),
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_uint64,
+            ]
+            lib.cuMemGetAddressRange_v2.argtypes = [
+                ctypes.POINTER(ctypes.c_uint64),
+                ctypes.POINTER(ctypes.c_size_t),
+                ctypes.c_uint64,
+            ]
+            _driver = lib
+        return _driver
+
+
 def _check(code: int, what: str) -> None:
     if code != 0:
         text = runtime().cudaGetErrorString(code)

@@ -48,7 +48,6 @@ Whether a region found before still holds a tensor at the same address is one dr
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +56,7 @@ import torch
 
 from aiosync.core.layout import ALIGNMENT, is_plain
 from aiosync.core.wire import CudaRegion, Region
+from aiosync.planes.cuda_runtime import driver
 from aiosync.planes.shared_tensors import find_shared
 
 # CUpointer_attribute values (cuda.h)
@@ -78,31 +78,6 @@ class Spot:
     region: Region
     key: object
     offset: int
-
-
-_driver: ctypes.CDLL | None = None
-_driver_lock = threading.Lock()
-
-
-def driver() -> ctypes.CDLL:
-    """The CUDA driver library (the one torch loaded)."""
-    global _driver
-    with _driver_lock:
-        if _driver is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            lib.cuPointerGetAttributes.argtypes = [
-                ctypes.c_uint,
-                ctypes.POINTER(ctypes.c_int),
-                ctypes.POINTER(ctypes.c_void_p),
-                ctypes.c_uint64,
-            ]
-            lib.cuMemGetAddressRange_v2.argtypes = [
-                ctypes.POINTER(ctypes.c_uint64),
-                ctypes.POINTER(ctypes.c_size_t),
-                ctypes.c_uint64,
-            ]
-            _driver = lib
-        return _driver
 
 
 def address_range(pointer: int) -> tuple[int, int] | None:

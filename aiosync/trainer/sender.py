@@ -39,8 +39,8 @@ from aiosync.core.manifest import TensorMeta, visible_pairs
 from aiosync.core.planning import VersionSource, read_source
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
-from aiosync.pipeline.ahead import read_ahead, read_here
-from aiosync.pipeline.early_begin import EarlyBegin, begin_early
+from aiosync.pipeline.ahead import FIRST_BUFFER, read_ahead, read_here
+from aiosync.pipeline.early_begin import EarlyBegin, begin_early, takes_ahead
 from aiosync.pipeline.fanout import EarlyBucketMismatch
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
@@ -401,7 +401,9 @@ class WeightSender:
 
         Only for a source whose read builds a manifest (a module, a mapping, a list: not a
         generator without ``manifest=``), so that a guess is withdrawn only when the names,
-        dtypes or shapes really changed.
+        dtypes or shapes really changed. Bucket 1 goes with it where the last read can be
+        kept: a direct split's, or (a CUDA plane with a counter, every engine of protocol
+        4) the layout's first ring bucket, ahead of its packing.
         """
         guess, plane = self._begun_with, self._plane
         if guess is None or plane is None or options.empty or options.rebase:
@@ -411,10 +413,21 @@ class WeightSender:
             return None
         if not may_begin_early(len(self._links), policy, plane):
             return None
-        first = None
-        if self._direct is not None and self._first_early and self._may_read_here(manifest):
-            first = self._direct.kept_first()  # a kept read hands out the same plan
-        return await begin_early(list(self._links.values()), version, guess, first)
+        links = list(self._links.values())
+        if self._direct is not None:
+            first = None
+            if self._first_early and self._may_read_here(manifest):
+                first = self._direct.kept_first()  # a kept read hands out the same plan
+            return await begin_early(links, version, guess, first)
+        arm = getattr(plane, "arm", None)  # a ring bucket 1 goes ahead of its packing
+        kept = self._layouts.kept_first() if self._first_early and manifest is None else None
+        if arm is None or kept is None or not takes_ahead(links):
+            return await begin_early(links, version, guess)
+        disarm = plane.disarm  # type: ignore[attr-defined]
+        early = await begin_early(links, version, guess, kept, arm(FIRST_BUFFER), disarm)
+        if early is None or early.first is None:
+            disarm()  # nothing waits for the counter
+        return early
 
     def _read_here(
         self, source: Any, manifest: Manifest | None, max_items: int

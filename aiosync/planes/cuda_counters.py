@@ -1,17 +1,18 @@
-"""Counters in device memory that streams wait on and write: GPU-side hand-overs (a probe).
+"""Counters in device memory that streams wait on and write: hand-overs with no host race.
 
 An interprocess event can only be waited on after its record was queued (a wait covers the
 last record made before it), so a process may queue work behind another's only once a
 host message said the record is there. A counter has no such race: a stream waits until
-the 32-bit word at an address reaches a value (``cuStreamWaitValue32``), and another
-stream, in any process that maps the memory, sets it once its earlier work is done
-(``cuStreamWriteValue32``, with a memory barrier). Work can then be queued long before the
-work it waits on, with no host between the two.
+the 32-bit word at an address reaches a value (``cuStreamWaitValue32``), and a stream of
+the process that owns the memory sets it once its earlier work is done
+(``cuStreamWriteValue32``, with a memory barrier). Work can be queued before the work it
+waits on was.
 
-Used by :mod:`aiosync.bench.cuda_timeline`'s probe to measure what taking the hosts off
-the hand-overs would gain (nothing, on one H200: docs/benchmarks.md). Not used by the
-library: a stream waiting on a peer's counter waits forever if the peer is gone, and any
-device-wide synchronisation queued behind it with it.
+The CUDA plane uses one to let an engine queue bucket 1's copies before the trainer packed
+it (:mod:`aiosync.planes.cuda_legacy`). Only the trainer writes its counter, into its own
+memory, so a trainer never waits on a peer's counter and never writes a peer's memory; an
+engine's stream may wait on the trainer's, and the engine sets it itself (:func:`write_now`)
+only when its session ends with such a wait still pending.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import torch
+
 from aiosync.core.errors import AiosyncError
-from aiosync.planes.direct_regions import driver
+from aiosync.planes.cuda_runtime import driver
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: after earlier writes are visible
@@ -67,3 +70,24 @@ def write_value(stream: int, address: int, value: int) -> None:
         stream or None, address, value & 0xFFFFFFFF, _WRITE_DEFAULT
     )
     _check(code, "cuStreamWriteValue32")
+
+
+def reached(word: torch.Tensor, value: int) -> bool:
+    """Whether the counter ``word`` (4 bytes of device memory) has reached ``value`` now.
+
+    Read on a stream of its own, so a stream that waits on the counter does not hold it up.
+    """
+    with torch.cuda.device(word.device), torch.cuda.stream(torch.cuda.Stream(word.device)):  # type: ignore[no-untyped-call]
+        now = int(word[:4].view(torch.int32).cpu()[0])
+    return ((now - value) & 0xFFFFFFFF) < (1 << 31)
+
+
+def write_now(device: int, address: int, value: int) -> None:
+    """Set the word at ``address`` to ``value`` now, on a stream of its own, and wait for it.
+
+    What releases a stream left waiting on a peer's counter when the peer's session ends.
+    """
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        write_value(stream.cuda_stream, address, value)
+        stream.synchronize()  # type: ignore[no-untyped-call]
