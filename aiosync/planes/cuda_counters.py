@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from aiosync.core.errors import AiosyncError
-from aiosync.planes.cuda_runtime import driver
+from aiosync.planes.cuda_runtime import _check as _check_runtime
+from aiosync.planes.cuda_runtime import driver, runtime
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: after earlier writes are visible
+_NON_BLOCKING = 0x1  # cudaStreamNonBlocking: no implicit order with the legacy default stream
 
 _lock = threading.Lock()
 _declared = False
@@ -72,13 +76,34 @@ def write_value(stream: int, address: int, value: int) -> None:
     _check(code, "cuStreamWriteValue32")
 
 
+@contextmanager
+def _own_stream(device: int) -> Iterator[torch.cuda.ExternalStream]:
+    """A non-blocking stream made for this call alone, destroyed after it.
+
+    Not one of torch's pooled streams: the pool hands its streams out in turn, so a
+    "new" one may be the very stream that waits on the counter.
+    """
+    lib = runtime()
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        code = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _NON_BLOCKING)
+        _check_runtime(code, "cudaStreamCreateWithFlags")
+        try:
+            where = torch.device("cuda", device)
+            yield torch.cuda.ExternalStream(handle.value or 0, device=where)  # type: ignore[no-untyped-call]
+        finally:
+            lib.cudaStreamSynchronize(handle)
+            lib.cudaStreamDestroy(handle)
+
+
 def reached(word: torch.Tensor, value: int) -> bool:
     """Whether the counter ``word`` (4 bytes of device memory) has reached ``value`` now.
 
     Read on a stream of its own, so a stream that waits on the counter does not hold it up.
     """
-    with torch.cuda.device(word.device), torch.cuda.stream(torch.cuda.Stream(word.device)):  # type: ignore[no-untyped-call]
-        now = int(word[:4].view(torch.int32).cpu()[0])
+    device = word.device.index if word.device.index is not None else torch.cuda.current_device()
+    with _own_stream(device) as stream, torch.cuda.stream(stream):
+        now = int(word[:4].view(torch.uint8).view(torch.int32).cpu()[0])
     return ((now - value) & 0xFFFFFFFF) < (1 << 31)
 
 
@@ -87,7 +112,5 @@ def write_now(device: int, address: int, value: int) -> None:
 
     What releases a stream left waiting on a peer's counter when the peer's session ends.
     """
-    with torch.cuda.device(device):
-        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with _own_stream(device) as stream:
         write_value(stream.cuda_stream, address, value)
-        stream.synchronize()  # type: ignore[no-untyped-call]

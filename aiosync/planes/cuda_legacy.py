@@ -166,13 +166,32 @@ class CudaLegacySenderPlane:
         """The counter value a bucket sent ahead of its packing into buffer ``index`` names.
 
         The buffer's next :meth:`pack` sets the counter to it (or :meth:`disarm`, if no
-        pack comes). One bucket at a time.
+        pack comes). One bucket at a time. Call on the packing stream's thread after
+        :meth:`begin_version`, before the bucket is sent: the packing stream waits now for
+        the engines' reads of the buffer's last use, for an engine may record the same
+        event again, behind this counter, as soon as it has the bucket (a wait queued at
+        the pack would then cover that record, and wait for itself).
         """
         if self._armed is not None:
             raise AiosyncError("a bucket sent ahead is still to be packed")
+        stream = self._stream or torch.cuda.current_stream(self._device)
+        with torch.cuda.device(self._device):
+            for event in self._last_reads(index):
+                stream.wait_event(event)
         self._count += 1
         self._armed = (index, self._count)
         return self._count
+
+    def _last_reads(self, index: int) -> list[torch.cuda.Event]:
+        """The engines' events of buffer ``index``'s last use, taken (each once)."""
+        waits, self._waits[index] = self._waits[index], []
+        events = []
+        for handle in waits:
+            event = self._peer_events.get(handle)
+            if event is None:
+                event = self._peer_events[handle] = _open_event(self._device, handle)
+            events.append(event)
+        return events
 
     def disarm(self) -> None:
         """Set the counter now if the bucket sent ahead was not packed (its read failed).
@@ -188,11 +207,7 @@ class CudaLegacySenderPlane:
         stream = self._stream or torch.cuda.current_stream(self._device)
         with torch.cuda.device(self._device), torch.cuda.stream(stream), hint_scope():
             try:
-                waits, self._waits[index] = self._waits[index], []
-                for handle in waits:
-                    event = self._peer_events.get(handle)
-                    if event is None:
-                        event = self._peer_events[handle] = _open_event(self._device, handle)
+                for event in self._last_reads(index):
                     wait_gate(stream, event)
                 _pack(self._buffers[index], plan, stream, self._copies)
                 self._packed[index].record(stream)
