@@ -31,6 +31,7 @@ from aiosync.planes.cuda_runtime import driver, runtime
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: after earlier writes are visible
 _NON_BLOCKING = 0x1  # cudaStreamNonBlocking: no implicit order with the legacy default stream
+_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
 _lock = threading.Lock()
 _declared = False
@@ -96,14 +97,30 @@ def _own_stream(device: int) -> Iterator[torch.cuda.ExternalStream]:
             lib.cudaStreamDestroy(handle)
 
 
+_pinned_word: ctypes.c_void_p | None = None  # 4 bytes of page-locked host memory
+
+
 def reached(word: torch.Tensor, value: int) -> bool:
     """Whether the counter ``word`` (4 bytes of device memory) has reached ``value`` now.
 
-    Read on a stream of its own, so a stream that waits on the counter does not hold it up.
+    Copied into page-locked memory on a stream of its own: a copy to pageable memory, or
+    on the legacy default stream, could wait behind the very stream that waits on the
+    counter.
     """
+    global _pinned_word
+    lib = runtime()
     device = word.device.index if word.device.index is not None else torch.cuda.current_device()
-    with _own_stream(device) as stream, torch.cuda.stream(stream):
-        now = int(word[:4].view(torch.uint8).view(torch.int32).cpu()[0])
+    with _lock:
+        if _pinned_word is None:
+            pinned = ctypes.c_void_p()
+            _check_runtime(lib.cudaMallocHost(ctypes.byref(pinned), ctypes.c_size_t(4)), "pin")
+            _pinned_word = pinned
+        with _own_stream(device) as stream:
+            code = lib.cudaMemcpyAsync(
+                _pinned_word, word.data_ptr(), 4, _DEVICE_TO_HOST, stream.cuda_stream
+            )
+            _check_runtime(code, "cudaMemcpyAsync")
+        now = ctypes.c_int32.from_address(_pinned_word.value or 0).value
     return ((now - value) & 0xFFFFFFFF) < (1 << 31)
 
 
