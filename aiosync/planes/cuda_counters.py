@@ -33,28 +33,13 @@ _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: after earlier writes are 
 _NON_BLOCKING = 0x1  # cudaStreamNonBlocking: no implicit order with the legacy default stream
 _DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
-_lock = threading.Lock()
-_declared = False
-
-
-def _lib() -> ctypes.CDLL:
-    global _declared
-    lib = driver()
-    with _lock:
-        if not _declared:
-            for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
-                call = getattr(lib, name)
-                call.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-                call.restype = ctypes.c_int
-            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-            _declared = True
-    return lib
+_lock = threading.Lock()  # the page-locked word below
 
 
 def _check(code: int, what: str) -> None:
     if code != 0:
         text = ctypes.c_char_p()
-        _lib().cuGetErrorString(code, ctypes.byref(text))
+        driver().cuGetErrorString(code, ctypes.byref(text))
         name = text.value.decode() if text.value else str(code)
         raise AiosyncError(f"{what} failed: {name} (CUDA driver error {code})")
 
@@ -65,13 +50,13 @@ def wait_value(stream: int, address: int, value: int) -> None:
     "Reaches" is modulo 2**32: the word minus ``value``, as a signed 32-bit number, is not
     negative, so a counter may wrap as long as waiters stay within 2**31 of it.
     """
-    code = _lib().cuStreamWaitValue32_v2(stream or None, address, value & 0xFFFFFFFF, _WAIT_GEQ)
+    code = driver().cuStreamWaitValue32_v2(stream or None, address, value & 0xFFFFFFFF, _WAIT_GEQ)
     _check(code, "cuStreamWaitValue32")
 
 
 def write_value(stream: int, address: int, value: int) -> None:
     """Queue on ``stream`` a write of ``value`` to the word at ``address``, after its work."""
-    code = _lib().cuStreamWriteValue32_v2(
+    code = driver().cuStreamWriteValue32_v2(
         stream or None, address, value & 0xFFFFFFFF, _WRITE_DEFAULT
     )
     _check(code, "cuStreamWriteValue32")

@@ -104,6 +104,17 @@ def driver() -> ctypes.CDLL:
                 ctypes.POINTER(ctypes.c_size_t),
                 ctypes.c_uint64,
             ]
+            for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
+                if hasattr(lib, name):  # stream memory operations (CUDA 11.7 on)
+                    call = getattr(lib, name)
+                    call.argtypes = [
+                        ctypes.c_void_p,
+                        ctypes.c_uint64,
+                        ctypes.c_uint32,
+                        ctypes.c_uint,
+                    ]
+                    call.restype = ctypes.c_int
+            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _driver = lib
         return _driver
 
