@@ -68,7 +68,8 @@ def counter(monkeypatch: pytest.MonkeyPatch) -> Counter:
     state: dict[str, tuple[int, int] | None] = {"armed": None}
     pack = ShmSenderPlane.pack
 
-    def arm(self: ShmSenderPlane, index: int) -> int:
+    def arm(self: ShmSenderPlane, index: int, words: list[int]) -> int:
+        assert words == [0], words  # the one engine's word
         assert state["armed"] is None, "one bucket ahead at a time"
         value = len(made.armed) + 1
         made.armed.append((index, value))
@@ -92,6 +93,7 @@ def counter(monkeypatch: pytest.MonkeyPatch) -> Counter:
         made.wait(value)
 
     monkeypatch.setattr(ShmSenderPlane, "arm", arm, raising=False)
+    monkeypatch.setattr(ShmSenderPlane, "spec_for_link", lambda self: (self.spec, 0), raising=False)
     monkeypatch.setattr(ShmSenderPlane, "disarm", disarm, raising=False)
     monkeypatch.setattr(ShmSenderPlane, "pack", packed)
     monkeypatch.setattr(ShmReceiverPlane, "wait_after", wait_after, raising=False)

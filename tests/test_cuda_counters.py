@@ -55,47 +55,60 @@ def test_the_counter_compares_across_its_wrap() -> None:
     stream.synchronize()  # 2 reaches 1 past the wrap: no wait
 
 
-def test_an_engine_closing_its_plane_lets_go_of_a_stream_waiting_on_the_counter() -> None:
+def test_an_engine_closing_its_plane_lets_go_of_its_own_stream_and_no_other() -> None:
     plane = CudaLegacySenderPlane(torch.device("cuda:0"), 1, 4096)
     try:
         plane._buffers[0].tensor.fill_(7)
         torch.cuda.synchronize()
-        spec = msgspec.msgpack.encode(plane.spec).hex()
-        with peer_process("tests.cuda_peers", "waiting_engine", "--spec", spec) as engine:
+        _, first_word = plane.spec_for_link()  # another engine's session
+        spec, word = plane.spec_for_link()
+        assert (first_word, word) == (0, 1)
+        hexed = msgspec.msgpack.encode(spec).hex()
+        with peer_process("tests.cuda_peers", "waiting_engine", "--spec", hexed) as engine:
             assert first(engine, "waiting")["pending"] is True  # the trainer never set 1
             closed = first(engine, "closed")  # the close let the copy go
             assert closed["copied"] == [7] * 16
             assert engine.wait(timeout=60) == 0
         assert plane._counter is not None
-        assert reached(plane._counter.tensor, 1)  # the engine set the trainer's word
+        counters = plane._counter.tensor
+        assert reached(counters[4:8], 1)  # the engine set its own word
+        assert not reached(counters[0:4], 1)  # and not the other engine's
     finally:
         plane.close()
 
 
-def test_arm_pack_and_disarm_set_the_counter_once_each() -> None:
+def test_arm_pack_and_disarm_set_the_engines_words_once_each() -> None:
+    from aiosync.core.errors import AiosyncError
     from aiosync.core.layout import plan_buckets
 
     plane = CudaLegacySenderPlane(torch.device("cuda:0"), 2, 1 << 20)
     try:
         assert plane._counter is not None
-        word = plane._counter.tensor
+        counters = plane._counter.tensor
+        words = [plane.spec_for_link()[1], plane.spec_for_link()[1]]
+        assert words == [0, 1]
         tensors = {"a": torch.ones(1000, device="cuda:0")}
         (plan,) = plan_buckets(tensors.items(), 1 << 20)
         plane.begin_version()
-        assert plane.arm(0) == 1
-        with pytest.raises(Exception, match="still to be packed"):
-            plane.arm(0)
+        with pytest.raises(AiosyncError, match="not all handed out"):
+            plane.arm(0, [0, 2])
+        assert plane.arm(0, [0, 1]) == 1
+        with pytest.raises(AiosyncError, match="still to be packed"):
+            plane.arm(0, [0, 1])
         plane.pack(1, plan)  # another buffer: not the one armed
         torch.cuda.synchronize()
-        assert not reached(word, 1)
+        assert not reached(counters[0:4], 1)
         plane.pack(0, plan)
         torch.cuda.synchronize()
-        assert reached(word, 1)
-        assert not reached(word, 2)
-        assert plane.arm(0) == 2
-        plane.disarm()  # no pack came: set now
-        assert reached(word, 2)
+        assert reached(counters[0:4], 1)
+        assert reached(counters[4:8], 1)
+        assert plane.arm(0, [1]) == 2
+        plane.disarm()  # no pack came: set on the packing stream
+        torch.cuda.synchronize()
+        assert reached(counters[4:8], 2)
+        assert not reached(counters[0:4], 2)  # not armed for this engine
         plane.disarm()  # nothing armed: nothing to do
-        assert not reached(word, 3)
+        torch.cuda.synchronize()
+        assert not reached(counters[4:8], 3)
     finally:
         plane.close()

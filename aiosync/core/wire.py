@@ -81,8 +81,9 @@ class CudaLegacyPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_legacy"):
 
     ``handles`` are ``cudaIpcMemHandle_t`` bytes, ``events`` one ``cudaIpcEventHandle_t``
     per buffer, recorded once a bucket is packed there (see :mod:`aiosync.planes.cuda_legacy`).
-    ``counter``: the handle of the trainer's counter, a word of device memory it sets as it
-    packs a bucket sent ahead (``Bucket.after``); empty: none.
+    ``counter``: the handle of the trainer's counters, device memory whose 32-bit word
+    ``counter_word`` is this engine's: the trainer sets it as it packs a bucket sent ahead
+    (``Bucket.after``); empty: none.
     """
 
     device: int
@@ -90,6 +91,7 @@ class CudaLegacyPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_legacy"):
     handles: list[bytes]
     events: list[bytes] = []
     counter: bytes = b""
+    counter_word: int = 0
 
     @property
     def sizes(self) -> list[int]:

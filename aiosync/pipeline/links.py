@@ -32,6 +32,7 @@ class EngineLink:
         self.window = anyio.Semaphore(channel.window) if channel.window else None
         self.broken: AiosyncError | None = None  # set once the session cannot be trusted
         self.events: list[bytes] = []  # the engine's CUDA IPC events, from its ready
+        self.counter_word: int | None = None  # its word of the CUDA plane's counters
 
     @property
     def name(self) -> str:

@@ -21,13 +21,15 @@ message that leads to the wait is sent, so the order holds across the two proces
 Bucket 1 may go before it is packed (protocol 4, with the ``begin`` sent before the read:
 :mod:`aiosync.pipeline.early_begin`), so that the engine queues its copies while the
 trainer still reads its tensors. An event cannot order that (the engine's wait would cover
-the last version's record), so the trainer also owns a counter, a word of its own device
-memory (:mod:`aiosync.planes.cuda_counters`): :meth:`CudaLegacySenderPlane.arm` gives the
-value the bucket's message names (``Bucket.after``), the buffer's next pack sets it on the
-packing stream once its copies are queued, and the engine's stream waits until the word
-reaches it (:meth:`CudaLegacyReceiverPlane.wait_after`). The trainer only ever writes its
-own word; should its session end while an engine's stream still waits, the engine sets
-the word itself when it closes the plane.
+the last version's record), so the trainer also owns counters, words of its own device
+memory, one per engine session (:mod:`aiosync.planes.cuda_counters`;
+:meth:`CudaLegacySenderPlane.spec_for_link` hands each its word):
+:meth:`CudaLegacySenderPlane.arm` gives the value the bucket's message names
+(``Bucket.after``), the buffer's next pack sets every engine's word to it on the packing
+stream once its copies are queued, and each engine's stream waits until its word reaches
+it (:meth:`CudaLegacyReceiverPlane.wait_after`). The trainer only ever writes its own
+memory; should an engine's session end while its stream still waits, the engine sets its
+own word when it closes the plane (never another engine's).
 
 Host time per bucket is kept short, since with two buffers the next pack can be queued
 only after an engine's ack: plain tensors on the buffer's device are queued by address
@@ -39,7 +41,9 @@ aiosync.bench.cuda_timeline`` shows where a version's time goes, per bucket, on 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from aiosync.core.errors import AiosyncError, ProtocolError
@@ -58,8 +62,11 @@ from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
 log = logging.getLogger(__name__)
 
-COUNTER_BYTES = 512
-"""Bytes of the trainer's counter memory (one 32-bit word is used)."""
+COUNTER_BYTES = 4096
+"""Bytes of the trainer's counter memory: a 32-bit word for each of up to
+:data:`COUNTER_WORDS` engine sessions over the plane's life (later ones get none, and
+their versions send bucket 1 after the read)."""
+COUNTER_WORDS = COUNTER_BYTES // 4
 COUNTER_MAX = 1 << 31
 """Counter values a bucket may name: 1 to this, each above the last (the word wraps at 2**32)."""
 
@@ -109,7 +116,8 @@ class CudaLegacySenderPlane:
         self._capacity = capacity
         self._buffers: list[DeviceMemory] = []
         self._counter: DeviceMemory | None = None
-        self._armed: tuple[int, int] | None = None  # (buffer, value) its next pack sets
+        self._armed: tuple[int, int, list[int]] | None = None  # (buffer, value, words)
+        self._words = 0  # counter words handed out (never again: a word is one session's)
         self._count = 0  # the counter's last value handed out
         self._copies = DeviceCopies(index)
         self._peer_events: dict[bytes, torch.cuda.Event] = {}
@@ -162,24 +170,38 @@ class CudaLegacySenderPlane:
         if index < len(events):
             self._waits[index].append(events[index])
 
-    def arm(self, index: int) -> int:
+    def spec_for_link(self) -> tuple[CudaLegacyPlaneSpec, int | None]:
+        """The spec for one more engine session, with a counter word of its own, and the word.
+
+        Each word is handed out once, so an engine that sets its word when its session
+        ends (:meth:`CudaLegacyReceiverPlane.close`) never lets another engine's reads go.
+        Past :data:`COUNTER_WORDS`: no counter (None).
+        """
+        if self._words >= COUNTER_WORDS:
+            return msgspec.structs.replace(self._spec, counter=b""), None
+        word, self._words = self._words, self._words + 1
+        return msgspec.structs.replace(self._spec, counter_word=word), word
+
+    def arm(self, index: int, words: Sequence[int]) -> int:
         """The counter value a bucket sent ahead of its packing into buffer ``index`` names.
 
-        The buffer's next :meth:`pack` sets the counter to it (or :meth:`disarm`, if no
-        pack comes). One bucket at a time. Call on the packing stream's thread after
-        :meth:`begin_version`, before the bucket is sent: the packing stream waits now for
-        the engines' reads of the buffer's last use, for an engine may record the same
-        event again, behind this counter, as soon as it has the bucket (a wait queued at
-        the pack would then cover that record, and wait for itself).
+        The buffer's next :meth:`pack` sets each of the engines' ``words`` to it (or
+        :meth:`disarm`, if no pack comes). One bucket at a time. Call on the packing
+        stream's thread after :meth:`begin_version`, before the bucket is sent: the packing
+        stream waits now for the engines' reads of the buffer's last use, for an engine
+        may record the same event again, behind the counter, as soon as it has the bucket
+        (a wait queued at the pack would then cover that record, and wait for itself).
         """
         if self._armed is not None:
             raise AiosyncError("a bucket sent ahead is still to be packed")
+        if any(not 0 <= word < self._words for word in words):
+            raise AiosyncError(f"counter words {list(words)} were not all handed out")
         stream = self._stream or torch.cuda.current_stream(self._device)
         with torch.cuda.device(self._device):
             for event in self._last_reads(index):
                 stream.wait_event(event)
         self._count += 1
-        self._armed = (index, self._count)
+        self._armed = (index, self._count, list(words))
         return self._count
 
     def _last_reads(self, index: int) -> list[torch.cuda.Event]:
@@ -194,13 +216,23 @@ class CudaLegacySenderPlane:
         return events
 
     def disarm(self) -> None:
-        """Set the counter now if the bucket sent ahead was not packed (its read failed).
+        """Set the counters now if the bucket sent ahead was not packed (its read failed).
 
-        The engines' reads that wait on it then go on (the version is withdrawn).
+        On the packing stream, after any earlier pack's own setting of them, so a word never
+        goes back. The engines' reads that wait on it then go on (the version is withdrawn).
         """
         armed, self._armed = self._armed, None
-        if armed is not None and self._counter is not None:
-            write_now(self._device, self._counter.tensor.data_ptr(), armed[1])
+        if armed is not None:
+            stream = self._stream or torch.cuda.current_stream(self._device)
+            with torch.cuda.device(self._device):
+                self._set(stream, armed[1], armed[2])
+
+    def _set(self, stream: torch.cuda.Stream, value: int, words: list[int]) -> None:
+        """Queue on ``stream`` the setting of each of ``words`` to ``value``."""
+        if self._counter is not None:
+            base = self._counter.tensor.data_ptr()
+            for word in words:
+                write_value(stream.cuda_stream, base + 4 * word, value)
 
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Queue the bucket's copies after the engines' last reads of the buffer; no wait."""
@@ -213,24 +245,28 @@ class CudaLegacySenderPlane:
                 self._packed[index].record(stream)
             finally:  # a bucket sent ahead: its reads may go (after a failure too)
                 armed = self._armed
-                if armed is not None and armed[0] == index and self._counter is not None:
+                if armed is not None and armed[0] == index:
                     self._armed = None
-                    write_value(stream.cuda_stream, self._counter.tensor.data_ptr(), armed[1])
+                    self._set(stream, armed[1], armed[2])
 
     async def publish(self, index: int, used: int) -> None:
         """Nothing to do: engines read the same device memory."""
 
     def close(self) -> None:
         """Free the buffers once the device is idle (idempotent)."""
-        self.disarm()
-        counter, self._counter = self._counter, None
-        if counter is not None:
-            counter.close()
-        self._copies.close()
-        for buffer in self._buffers:
-            buffer.close()
-        self._buffers.clear()
-        self._peer_events.clear()
+        try:
+            self.disarm()
+        finally:
+            counter, self._counter = self._counter, None
+            try:
+                if counter is not None:
+                    counter.close()
+            finally:
+                self._copies.close()
+                for buffer in self._buffers:
+                    buffer.close()
+                self._buffers.clear()
+                self._peer_events.clear()
 
 
 class CudaLegacyReceiverPlane:
@@ -245,6 +281,7 @@ class CudaLegacyReceiverPlane:
             raise AiosyncError(f"{len(spec.events)} events for {len(spec.handles)} CUDA buffers")
         self._buffers: list[DeviceMemory] = []
         self._counter: DeviceMemory | None = None
+        self._word = spec.counter_word  # this session's word of the trainer's counters
         self._after = 0  # the last counter value a bucket's reads waited for
         self._waited: torch.cuda.Event | None = None  # recorded behind that wait
         try:
@@ -252,6 +289,8 @@ class CudaLegacyReceiverPlane:
                 self._buffers.append(DeviceMemory.open(handle, spec.size, self._device))
             self._packed = [_open_event(self._device, handle) for handle in spec.events]
             if spec.counter:
+                if not 0 <= spec.counter_word < COUNTER_WORDS:
+                    raise AiosyncError(f"counter word {spec.counter_word} (0-{COUNTER_WORDS - 1})")
                 self._counter = DeviceMemory.open(spec.counter, COUNTER_BYTES, self._device)
         except BaseException:
             self.close()
@@ -274,7 +313,8 @@ class CudaLegacyReceiverPlane:
         if not self._after < value <= COUNTER_MAX:
             raise ProtocolError(f"counter value {value} does not follow {self._after}")
         stream = torch.cuda.current_stream(self._device)
-        wait_counter_gate(stream, CounterGate(self._counter.tensor.data_ptr(), value))
+        address = self._counter.tensor.data_ptr() + 4 * self._word
+        wait_counter_gate(stream, CounterGate(address, value))
         self._after = value
         if self._waited is None:
             self._waited = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -294,20 +334,30 @@ class CudaLegacyReceiverPlane:
         if self._applied:
             self._applied[index].record(torch.cuda.current_stream(self._device))
 
+    def _let_go(self, counter: DeviceMemory) -> None:
+        """Set this session's word if a stream still waits on it (the trainer never did)."""
+        waited, self._waited = self._waited, None
+        if waited is None or waited.query():  # type: ignore[no-untyped-call]
+            return
+        word = counter.tensor[4 * self._word : 4 * self._word + 4]
+        if not reached(word, self._after):
+            log.warning("the trainer's counter never reached %d: released", self._after)
+            write_now(self._device, word.data_ptr(), self._after)
+
     def close(self) -> None:
         """Unmap the buffers once the device is idle (idempotent).
 
         A stream still waiting on the trainer's counter (its session ended before it set
-        it) is let go first: the engine sets the word itself.
+        it) is let go first: the engine sets its own word itself.
         """
         counter, self._counter = self._counter, None
-        if counter is not None:
-            waited, self._waited = self._waited, None
-            pending = waited is not None and not waited.query()  # type: ignore[no-untyped-call]
-            if pending and not reached(counter.tensor, self._after):
-                log.warning("the trainer's counter never reached %d: released", self._after)
-                write_now(self._device, counter.tensor.data_ptr(), self._after)
-            counter.close()
-        for buffer in self._buffers:
-            buffer.close()
-        self._buffers.clear()
+        try:
+            if counter is not None:
+                try:
+                    self._let_go(counter)
+                finally:
+                    counter.close()
+        finally:
+            for buffer in self._buffers:
+                buffer.close()
+            self._buffers.clear()

@@ -198,7 +198,9 @@ class WeightSender:
         if name in self._links:
             name = f"{name}#{len(self._links)}"
         link = EngineLink(channel, LinkSession(name, uuid.uuid4().hex), self.config.timeout)
-        hello = link.session.hello(self.config.name or f"pid-{os.getpid()}", self._plane.spec)
+        spec_for_link = getattr(self._plane, "spec_for_link", None)  # a counter word each
+        spec, link.counter_word = spec_for_link() if spec_for_link else (self._plane.spec, None)
+        hello = link.session.hello(self.config.name or f"pid-{os.getpid()}", spec)
         try:
             ready = await link.handshake(hello)
         except BaseException:
@@ -421,12 +423,18 @@ class WeightSender:
             return await begin_early(links, version, guess, first)
         arm = getattr(plane, "arm", None)  # a ring bucket 1 goes ahead of its packing
         kept = self._layouts.kept_first() if self._first_early and manifest is None else None
-        if arm is None or kept is None or not takes_ahead(links):
+        words = [link.counter_word for link in links]
+        if arm is None or kept is None or None in words or not takes_ahead(links):
             return await begin_early(links, version, guess)
         disarm = plane.disarm  # type: ignore[attr-defined]
-        early = await begin_early(links, version, guess, kept, arm(FIRST_BUFFER), disarm)
+        after = arm(FIRST_BUFFER, words)
+        try:
+            early = await begin_early(links, version, guess, kept, after, disarm)
+        except BaseException:
+            disarm()
+            raise
         if early is None or early.first is None:
-            disarm()  # nothing waits for the counter
+            disarm()  # nothing waits for the counters
         return early
 
     def _read_here(
