@@ -67,6 +67,7 @@ COUNTER_BYTES = 4096
 :data:`COUNTER_WORDS` engine sessions over the plane's life (later ones get none, and
 their versions send bucket 1 after the read)."""
 COUNTER_WORDS = COUNTER_BYTES // 4
+"""Counter words one sender plane hands out (one per engine session)."""
 COUNTER_MAX = 1 << 31
 """Counter values a bucket may name: 1 to this, each above the last (the word wraps at 2**32)."""
 
@@ -235,7 +236,11 @@ class CudaLegacySenderPlane:
                 write_value(stream.cuda_stream, base + 4 * word, value)
 
     def pack(self, index: int, plan: BucketPlan) -> None:
-        """Queue the bucket's copies after the engines' last reads of the buffer; no wait."""
+        """Queue the bucket's copies after the engines' last reads of the buffer; no wait.
+
+        If this buffer was armed (:meth:`arm`), the engines' counter words are set behind
+        the copies, on the same stream.
+        """
         stream = self._stream or torch.cuda.current_stream(self._device)
         with torch.cuda.device(self._device), torch.cuda.stream(stream), hint_scope():
             try:
