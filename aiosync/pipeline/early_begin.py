@@ -138,7 +138,9 @@ async def begin_early(
             return None
     flags = {"empty": False, "rebase": False}
     bucket = None if first is None else kept_first_payload(version, first, after)
-    as_read = None if first is None else kept_first_payload(version, first, after, as_read=True)
+    as_read = bucket  # what the fanout makes once read: the same but for ``after``
+    if first is not None and after is not None:
+        as_read = kept_first_payload(version, first, after, as_read=True)
     inside = bucket if bucket is not None and carries_first(links) else None
     payload, carried = encode_begin(version, guess, flags, limits, inside)
     if carried is None and inside is not None:  # too large together: two messages

@@ -75,14 +75,17 @@ log = logging.getLogger(__name__)
 _next = threading.local()  # what the next batch on this thread is to do: gates, one stream
 
 
-def wait_gate(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-    """Make ``stream`` wait on ``event`` (another process's), and the next batch's side streams.
+def wait_gate(stream: torch.cuda.Stream, gate: Gate) -> None:
+    """Make ``stream`` wait on ``gate`` (another process's), and the next batch's side streams.
 
     The next :meth:`DeviceCopies.queue` on this thread makes its side streams wait on every
     gate so noted since the last one, before its fork (see the module's docstring).
     """
-    stream.wait_event(event)
-    _note_gate(event)
+    _wait(stream, gate)
+    noted: list[Gate] | None = getattr(_next, "gates", None)
+    if noted is None:
+        noted = _next.gates = []
+    noted.append(gate)
 
 
 class CounterGate:
@@ -95,35 +98,19 @@ class CounterGate:
         self.address = address
         self.value = value
 
-    def wait(self, stream: torch.cuda.Stream) -> None:
-        """Queue the wait on ``stream``."""
-        wait_value(stream.cuda_stream, self.address, self.value)
-
     def query(self) -> bool:
         """Whether the wait is known to be over: never, from the host."""
         return False
 
 
-def wait_counter_gate(stream: torch.cuda.Stream, gate: CounterGate) -> None:
-    """:func:`wait_gate` for a counter: ``stream`` and the next batch's side streams wait."""
-    gate.wait(stream)
-    _note_gate(gate)
-
-
 Gate = torch.cuda.Event | CounterGate
-"""What a batch's side streams wait on before their fork."""
-
-
-def _note_gate(gate: Gate) -> None:
-    noted: list[Gate] | None = getattr(_next, "gates", None)
-    if noted is None:
-        noted = _next.gates = []
-    noted.append(gate)
+"""What a stream, and a batch's side streams before their fork, wait on: an event of
+another process, or its counter reaching a value."""
 
 
 def _wait(stream: torch.cuda.Stream, gate: Gate) -> None:
     if isinstance(gate, CounterGate):
-        gate.wait(stream)
+        wait_value(stream.cuda_stream, gate.address, gate.value)
     else:
         stream.wait_event(gate)
 

@@ -54,7 +54,6 @@ from aiosync.planes.cuda_copies import (
     DeviceCopies,
     hint_scope,
     plain_jobs,
-    wait_counter_gate,
     wait_gate,
 )
 from aiosync.planes.cuda_counters import reached, write_now, write_value
@@ -319,7 +318,7 @@ class CudaLegacyReceiverPlane:
             raise ProtocolError(f"counter value {value} does not follow {self._after}")
         stream = torch.cuda.current_stream(self._device)
         address = self._counter.tensor.data_ptr() + 4 * self._word
-        wait_counter_gate(stream, CounterGate(address, value))
+        wait_gate(stream, CounterGate(address, value))
         self._after = value
         if self._waited is None:
             self._waited = torch.cuda.Event()  # type: ignore[no-untyped-call]
