@@ -1332,11 +1332,17 @@ def test_a_refused_begin_refuses_the_bucket_it_carries_and_applies_nothing() -> 
     assert not applies(actions)
 
 
-def test_a_begin_carrying_a_bucket_in_a_protocol_2_session_is_a_protocol_error() -> None:
+def speaking(protocol: int) -> EngineSession:
+    """An engine whose session with ``PEER`` chose ``protocol`` (the sender's highest)."""
     engine = machine(model())
-    ready = reply(send(engine, hello(high=2)))
+    ready = reply(send(engine, hello(high=protocol)))
     assert isinstance(ready, Ready)
-    assert ready.protocol == 2
+    assert ready.protocol == protocol
+    return engine
+
+
+def test_a_begin_carrying_a_bucket_in_a_protocol_2_session_is_a_protocol_error() -> None:
+    engine = speaking(2)
     actions = send(engine, Begin(0, MANIFEST, first=by_slots(0, 1, [Slot(0, 0, 16)])))
     assert not applies(actions)
     assert engine.protocol_errors == 1
@@ -1355,10 +1361,7 @@ def test_a_begin_carrying_a_bucket_while_a_version_is_open_is_one_protocol_error
 
 
 def test_a_bucket_sent_ahead_of_its_packing_needs_protocol_4() -> None:
-    engine = machine(model())
-    ready = reply(send(engine, hello(high=3)))
-    assert isinstance(ready, Ready)
-    assert ready.protocol == 3
+    engine = speaking(3)
     send(engine, Begin(0, MANIFEST))
     ahead = msgspec.structs.replace(by_slots(0, 1, [Slot(0, 0, 16)]), after=1)
     actions = send(engine, ahead)
