@@ -71,7 +71,9 @@ class UsageError(AiosyncError, RuntimeError):
 class FleetError(AiosyncError):
     """Several engines failed one version; ``failures`` maps each engine to its own error."""
 
-    def __init__(self, message: str, failures: dict[str, AiosyncError], *, version: int) -> None:
+    def __init__(
+        self, message: str, failures: dict[str, AiosyncError], *, version: int | None
+    ) -> None:
         detail = "; ".join(f"{peer}: {exc.reason}" for peer, exc in failures.items())
         super().__init__(f"{message}: {detail}", version=version)
         self.failures = failures

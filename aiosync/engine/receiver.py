@@ -44,6 +44,7 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
+from aiosync.core.exception_groups import exit_as_one
 from aiosync.core.wire import Ack, Begin, ManifestMemo, Message, encode, split_begin
 from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
@@ -246,7 +247,7 @@ class WeightReceiver:
         try:
             if self._task_group is not None:
                 self._task_group.cancel_scope.cancel()
-                await self._task_group.__aexit__(exc_type, exc, tb)
+                await exit_as_one(self._task_group.__aexit__(exc_type, exc, tb), exc)
         finally:
             self._task_group = None
             if self._machine is not None:

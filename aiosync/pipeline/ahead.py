@@ -35,7 +35,9 @@ def next_plan(plans: Iterator[BucketPlan], version: int) -> BucketPlan | None:
     except AiosyncError:
         raise
     except Exception as exc:
-        raise MismatchError(f"cannot read the tensors: {exc}", version=version) from exc
+        raise MismatchError(
+            f"cannot read the tensors: {type(exc).__name__}: {exc}", version=version
+        ) from exc
 
 
 def pack_plan(plane: SenderPlane, index: int, plan: BucketPlan, version: int) -> None:

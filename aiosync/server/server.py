@@ -25,6 +25,7 @@ import anyio.abc
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
+from aiosync.core.exception_groups import exit_as_one
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.runtime import require_asyncio
 from aiosync.server import messages as m
@@ -192,7 +193,7 @@ class WeightServer:
     ) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
-            await stack.__aexit__(exc_type, exc, tb)
+            await exit_as_one(stack.__aexit__(exc_type, exc, tb), exc)
         self._receiver = self._listener = self._tasks = None
 
     async def _shut_down(self) -> None:

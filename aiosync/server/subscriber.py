@@ -30,6 +30,7 @@ from aiosync.core.errors import (
     RejectedError,
     SyncTimeoutError,
 )
+from aiosync.core.exception_groups import exit_as_one
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets
 from aiosync.engine.receiver import WeightReceiver
@@ -277,7 +278,7 @@ class Subscriber:
     ) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
-            await stack.__aexit__(exc_type, exc, tb)
+            await exit_as_one(stack.__aexit__(exc_type, exc, tb), exc)
 
     async def wait_for_version(self, version: int, timeout: float) -> int:
         """Wait until this engine holds ``version`` or newer."""

@@ -183,7 +183,8 @@ async def _overlapped(
             tg.start_soon(keep)
             await exchange
     except BaseExceptionGroup as group:
-        raise unwrap_group(group) from None
+        exc = unwrap_group(group)
+        raise exc from exc.__cause__
     return out[0]
 
 

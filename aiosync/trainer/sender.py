@@ -33,6 +33,7 @@ import torch
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
+from aiosync.core.exception_groups import exit_as_one
 from aiosync.core.layout import MAX_BUCKET_ITEMS, calculate_aligned_size
 from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.manifest import TensorMeta, visible_pairs
@@ -169,7 +170,7 @@ class WeightSender:
     ) -> None:
         if self._stack is not None:
             stack, self._stack = self._stack, None
-            await stack.__aexit__(exc_type, exc, tb)
+            await exit_as_one(stack.__aexit__(exc_type, exc, tb), exc)
         self._plane = None
 
     async def _stop_tasks(self) -> None:
@@ -376,7 +377,7 @@ class WeightSender:
                 self._first_early = False
             if exc is group:
                 raise
-            raise exc from None
+            raise exc from exc.__cause__  # the group goes; a cause (the user's error) stays
         self._begun_with = run.manifest  # the next version's guess (None: none)
         if self._direct is not None:
             report = replace(report, direct_note=self._direct.note)
