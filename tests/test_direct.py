@@ -126,7 +126,9 @@ def ten_versions() -> None:
     async def main() -> None:
         reports, _ = await stream(model, 10)
         assert all(r.direct_bytes > 0 and r.packed_bytes > 0 for r in reports)
-        assert all(r.direct_note == "" for r in reports)
+        # the two temporaries are not parameters: packed, and the note says why
+        assert all(r.direct_note.startswith("2 tensors") for r in reports)
+        assert all("not persistent" in r.direct_note for r in reports)
 
     run(main)
     shared.close()
@@ -210,7 +212,8 @@ def test_a_replaced_storage_is_packed_then_a_new_segment_is_opened() -> None:
         assert reports[8].packed_bytes == reports[0].packed_bytes
 
     run(main)
-    assert notes[2] == notes[6] == ""
+    assert notes[2] == notes[6]
+    assert "not in a shared segment" not in notes[2]
     assert "1 tensors" in notes[3]
     assert "not in a shared segment" in notes[3]
     getattr(model, ATTRIBUTE).close()
@@ -398,6 +401,29 @@ def test_a_closed_segment_between_versions_sends_its_tensors_packed() -> None:
         assert first.direct_bytes == first.bytes
         assert second.direct_bytes == 0
         assert "not in a shared segment (aiosync.share_tensors) (2)" in second.direct_note
+        assert torch.equal(engine.weight, model.weight)
+
+    run(main)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "pairs"])
+def test_plain_tensors_to_a_direct_sender_are_packed_and_the_note_says_why(how: str) -> None:
+    """Issue 25.7: a state_dict (detached tensors) or a list of plain pairs goes packed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+
+    async def main() -> None:
+        engine = torch.nn.Linear(16, 16)
+        async with WeightReceiver(ModuleSink(engine)) as receiver:
+            config = SenderConfig(direct=True)
+            async with WeightSender(receiver.endpoint, config=config) as sender:
+                state = model.state_dict()
+                sent = state if how == "state_dict" else [(n, t.clone()) for n, t in state.items()]
+                report = await sender.send(sent)
+        assert report.direct_bytes == 0
+        assert "2 tensors" in report.direct_note
+        assert "not persistent" in report.direct_note
+        assert "state_dict()" in report.direct_note
         assert torch.equal(engine.weight, model.weight)
 
     run(main)

@@ -161,8 +161,8 @@ class DirectReader:
 
         Those are ``packed`` (not chosen) and the chosen ones the split packs.
         """
+        self.note = "; ".join(n for n in (self._unchosen_note(packed), kept.note) if n)
         packed.extend(kept.chosen[i] for i in kept.packed)
-        self.note = kept.note
         self._pairs = len(pairs)
         rest = read_source(packed, None, capacity, max_items, planner)
         if not kept.direct:
@@ -177,6 +177,22 @@ class DirectReader:
         manifest = None if rest.manifest is None else kept.manifest(rest.manifest, metas)
         every = [*pairs] if rest.pairs is not None else None
         return VersionSource(every, manifest, chain(plans, rest.plans))
+
+    def _unchosen_note(self, unchosen: list[tuple[str, Any]]) -> str:
+        """Why tensors handed to a direct sender were packed without being asked about."""
+        tensors = [t for _, t in unchosen if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return ""
+        size = sum(t.nbytes for t in tensors)
+        if self.chosen is True:
+            why = (
+                "not persistent: only nn.Parameter objects (pass the module or its "
+                "named_parameters(), not state_dict(), which detaches them) and tensors of "
+                "share_tensors() go direct"
+            )
+        else:
+            why = "not among the names direct= lists"
+        return f"{len(tensors)} tensors ({size} bytes) packed: {why}"
 
     def _split(self, chosen: list[tuple[str, torch.Tensor]], mark: object) -> _Kept:
         """Locate every chosen tensor: which go direct, which are packed, and why.
