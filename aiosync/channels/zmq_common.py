@@ -139,4 +139,7 @@ def _refuse_live_ipc(endpoint: str) -> None:
         raise AiosyncError(f"cannot use {endpoint}: {exc}") from None
     finally:
         probe.close()
-    raise AiosyncError(f"address in use: {endpoint} is bound by a live process")
+    raise AiosyncError(
+        f"address in use: {endpoint} is bound by a live process (a trainer's socket bound "
+        f"there? then connect to it: WeightReceiver(sink, connect={endpoint!r}))"
+    )

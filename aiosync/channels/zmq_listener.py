@@ -6,6 +6,10 @@ CURVE authentication requests through ZAP, RFC 27), so whoever owns a listener k
 task accepting. A listener with keys lets in only the client keys it lists: a peer without
 one never gets a message through.
 
+A listener may also *connect* its ROUTER to an address a peer binds
+(:meth:`ZmqListener.connect_to`): NeMo-RL's policy worker binds its REQ socket and the engine
+connects. Its channels and rules are the same; only the socket's direction differs.
+
 A listener never waits on a peer: replies go out without blocking, each peer may have at
 most ``send_hwm`` replies queued, and a peer that lets its queue fill (it does not read) is
 dropped with its reply. Peers are named ``peer-1``, ``peer-2``, ... by the listener, never by
@@ -27,6 +31,7 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from aiosync.channels.keys import ChannelAuth
+from aiosync.channels.unix_listeners import refuse_double_bind
 from aiosync.channels.zmq_common import (
     CLOSE_LINGER_MS,
     _ipc_path,
@@ -36,7 +41,7 @@ from aiosync.channels.zmq_common import (
     curve_keys,
     private_ipc_endpoint,
 )
-from aiosync.core.errors import PeerGoneError, map_exceptions
+from aiosync.core.errors import PeerGoneError, UsageError, map_exceptions
 
 log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under before the split
 
@@ -152,7 +157,9 @@ class ZmqListener:
 
     ``auth`` gives the keypair and the allowed client keys (CURVE), or allows plain tcp on
     loopback; ``send_hwm`` bounds the replies queued per peer; ``max_message_bytes``, if
-    given, makes libzmq disconnect a peer that sends a larger message.
+    given, makes libzmq disconnect a peer that sends a larger message. ``connecting``:
+    connect the ROUTER to ``endpoint``, which a peer binds, instead of binding it (the
+    listener then stays the CURVE server, and its closing leaves the peer's socket file).
     """
 
     def __init__(
@@ -163,13 +170,15 @@ class ZmqListener:
         auth: ChannelAuth | None = None,
         send_hwm: int = PEER_SEND_HWM,
         max_message_bytes: int | None = None,
+        connecting: bool = False,
     ) -> None:
         self._private_dir = private_dir
+        self._connecting = connecting
         self._errors = _zmq_error(endpoint)
         self._closed = True  # until bound
         try:
             keys = curve_keys(endpoint, auth, binding=True)
-            _refuse_live_ipc(endpoint)
+            (refuse_double_bind if connecting else _refuse_live_ipc)(endpoint)
         except BaseException:
             self._remove_private_dir()
             raise
@@ -194,7 +203,7 @@ class ZmqListener:
             if keys is not None:
                 self._serve_curve(keys)
             with map_exceptions(self._errors):
-                self._socket.bind(endpoint)
+                (self._socket.connect if connecting else self._socket.bind)(endpoint)
         except BaseException:
             self._socket.close(linger=0)
             if self._zap is not None:
@@ -203,7 +212,9 @@ class ZmqListener:
             self._remove_private_dir()
             raise
         self._poller.register(self._socket, zmq.POLLIN)
-        self._endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._endpoint = (
+            endpoint if connecting else self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        )
         self._closed = False
 
     def _serve_curve(self, keys: ChannelAuth) -> None:
@@ -230,12 +241,37 @@ class ZmqListener:
         *,
         auth: ChannelAuth | None = None,
         max_message_bytes: int | None = None,
+        connect: str | None = None,
     ) -> ZmqListener:
-        """Bind ``endpoint``, or ``ipc://`` in a new private directory (removed on close)."""
+        """Bind ``endpoint``, or ``ipc://`` in a new private directory (removed on close).
+
+        With ``connect`` (and no ``endpoint``), connect to that address instead: see
+        :meth:`connect_to`.
+        """
+        if connect is not None:
+            if endpoint is not None:
+                raise UsageError(f"bind {endpoint} or connect to {connect}, not both")
+            return cls.connect_to(connect, auth=auth, max_message_bytes=max_message_bytes)
         if endpoint is not None:
             return cls(endpoint, auth=auth, max_message_bytes=max_message_bytes)
         endpoint, directory = private_ipc_endpoint()
         return cls(endpoint, private_dir=directory, auth=auth, max_message_bytes=max_message_bytes)
+
+    @classmethod
+    def connect_to(
+        cls,
+        endpoint: str,
+        *,
+        auth: ChannelAuth | None = None,
+        max_message_bytes: int | None = None,
+    ) -> ZmqListener:
+        """Connect to ``endpoint``, bound by a peer (a trainer's REQ socket), and serve it.
+
+        ZMQ connects in the background and again after the peer rebinds, so the peer may
+        bind before or after this call. An ``ipc://`` path that two live sockets bound
+        (one displaced the other) is refused at once, naming it.
+        """
+        return cls(endpoint, auth=auth, max_message_bytes=max_message_bytes, connecting=True)
 
     def _remove_private_dir(self) -> None:
         if self._private_dir is not None:
@@ -244,7 +280,7 @@ class ZmqListener:
 
     @property
     def endpoint(self) -> str:
-        """The bound address (with the port chosen for ``tcp://...:0``)."""
+        """The bound address (with the port chosen for ``tcp://...:0``), or the connected one."""
         return self._endpoint
 
     @property
@@ -357,6 +393,6 @@ class ZmqListener:
             self._zap.close(linger=0)
         self._ctx.term()
         path = _ipc_path(self._endpoint)
-        if path is not None:
+        if path is not None and not self._connecting:  # a connected path is the peer's
             path.unlink(missing_ok=True)
         self._remove_private_dir()

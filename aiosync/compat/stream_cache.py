@@ -14,6 +14,13 @@ never collected, and closed, under the cached sender: close it yourself when don
 An engine drops a session it has not heard from for its ``session_timeout``; a REQ socket
 cannot send keepalives, so the drop-in replaces a cached stream whose session is gone by a
 fresh one, once, if the failed call had not read any tensor yet.
+
+The caller's socket may be connected to the engine's address or bound for the engine to
+connect to (NeMo-RL's policy worker binds its REQ socket; the engine is then a
+``WeightReceiver(sink, connect=address)``): either way it is used as it is. Before a fresh
+sender's hello, an ``ipc://`` path that two live sockets bound (the caller's bind took it
+over from an engine bound there, say) is refused at once, naming it
+(:func:`~aiosync.channels.unix_listeners.refuse_double_bind`).
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ import anyio
 import torch
 import zmq
 
+from aiosync.channels.unix_listeners import refuse_double_bind
 from aiosync.core.errors import PeerGoneError, SyncTimeoutError
 from aiosync.pipeline.report import ProgressCallback, SyncReport
-from aiosync.runtime import run
+from aiosync.runtime import run, unwrap_group
 from aiosync.trainer.sender import SenderConfig, WeightSender
 
 log = logging.getLogger(__name__)
@@ -165,10 +173,29 @@ def cached_stream(
             del _streams[id(socket)]
     if stream is not None:
         stream.release()
-    fresh = CachedStream(socket, device, config)
+    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    refuse_double_bind(endpoint)
+    try:
+        fresh = CachedStream(socket, device, config)
+    except Exception as exc:
+        cause = unwrap_group(exc)
+        if not isinstance(cause, SyncTimeoutError):  # a bound socket waits for an engine
+            raise
+        hint = _nobody_hint(endpoint)
+        raise SyncTimeoutError(f"{cause.reason}; {hint}", peer=cause.peer) from exc
     with _lock:
         _streams[id(socket)] = fresh
     return fresh, True
+
+
+def _nobody_hint(endpoint: str) -> str:
+    """What a hello that found no engine at ``endpoint`` may mean, for bound and connected."""
+    where = endpoint or "the socket's address"
+    return (
+        f"no engine reached this socket at {where}: if it is bound there, the engine must "
+        f"connect to it (WeightReceiver(sink, connect={where!r}), or BackgroundReceiver(..., "
+        "connect=...)); if it is connected, the engine must be bound there and alive"
+    )
 
 
 def release_streams(socket: zmq.Socket[bytes] | None = None) -> int:

@@ -84,6 +84,9 @@ class BackgroundReceiver:
     a worker thread of the receiver). ``endpoint``, ``config``, ``auth`` and ``on_commit``
     are :class:`~aiosync.WeightReceiver`'s.
 
+    ``connect`` is :class:`~aiosync.WeightReceiver`'s too: the receiver connects to a
+    trainer's bound address (NeMo-RL's policy worker binds its REQ socket) instead of binding.
+
     An error that ends the background loop is raised in the caller: by the next call to
     :meth:`wait_for_version` or :meth:`check`, or else on leaving the block.
 
@@ -100,12 +103,14 @@ class BackgroundReceiver:
         *,
         config: ReceiverConfig | None = None,
         auth: ChannelAuth | None = None,
+        connect: str | None = None,
         on_commit: Callable[[int], object] | None = None,
         start_timeout: float = START_TIMEOUT,
         stop_timeout: float = STOP_TIMEOUT,
     ) -> None:
         self.sink = as_sink(sink_or_model)
         self._requested = endpoint
+        self._connect = connect
         self._config = config
         self._auth = auth
         self._on_commit = on_commit
@@ -264,7 +269,8 @@ class BackgroundReceiver:
         try:
             return self.endpoint
         except AiosyncError:
-            return repr(self._requested) if self._requested is not None else "a private ipc://"
+            requested = self._connect if self._connect is not None else self._requested
+            return repr(requested) if requested is not None else "a private ipc://"
 
     # --- the background thread -----------------------------------------------------------
 
@@ -303,6 +309,7 @@ class BackgroundReceiver:
             self._requested,
             config=self._config,
             auth=self._auth,
+            connect=self._connect,
             on_commit=self._committed,
         )
         async with receiver:

@@ -80,7 +80,9 @@ class WeightReceiver:
     """Serves weight streams from any number of senders into one sink, one stream at a time.
 
     ``endpoint`` is an address to bind (default: ``ipc://`` in a new private directory; read
-    :attr:`endpoint` for the address to give senders) or a ready :class:`Listener`. Use as
+    :attr:`endpoint` for the address to give senders) or a ready :class:`Listener`; or, with
+    ``connect``, the address a trainer's socket binds (NeMo-RL's policy worker binds its REQ
+    socket), which the receiver connects to, serving it as it would serve a bound one. Use as
     ``async with``, entered and left in one task: the serving tasks live inside the block and
     are cancelled, with every socket and buffer released, when it ends. While one sender
     streams, another's version is refused as busy (it may retry). ``on_commit(version)`` runs
@@ -96,7 +98,11 @@ class WeightReceiver:
         on_commit: Callable[[int], object] | None = None,
         auth: ChannelAuth | None = None,
         held: HeldBuckets | None = None,
+        connect: str | None = None,
     ) -> None:
+        if connect is not None and endpoint is not None:
+            raise UsageError(f"bind {endpoint!r} or connect to {connect!r}, not both")
+        self._connect = connect
         self.sink, self.held = sink, held
         self._auth = auth
         self.config = config or ReceiverConfig()
@@ -174,7 +180,7 @@ class WeightReceiver:
 
     @property
     def endpoint(self) -> str:
-        """The address senders connect to."""
+        """The address senders connect to (with ``connect``: the trainer's, connected to)."""
         if self._listener is None:
             raise UsageError("receiver is not open")
         return self._listener.endpoint
@@ -227,6 +233,7 @@ class WeightReceiver:
                 self._endpoint,
                 auth=self._auth,
                 max_message_bytes=self.config.limits.max_message_bytes,
+                connect=self._connect,
             )
         else:
             self._listener = self._endpoint
