@@ -33,6 +33,7 @@ from aiosync.channels.keys import ChannelAuth
 from aiosync.core.engine_actions import SyncFailure
 from aiosync.core.errors import AiosyncError, SyncTimeoutError, UsageError
 from aiosync.engine.config import ReceiverConfig
+from aiosync.engine.live_hook import OnLive
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import CallbackSink, ModuleSink, WeightSink
 from aiosync.runtime import run, unwrap_group
@@ -81,8 +82,10 @@ class BackgroundReceiver:
     ``sink_or_model`` is an ``nn.Module`` or a name -> tensor map (wrapped in a
     :class:`~aiosync.ModuleSink`), a :class:`~aiosync.WeightSink` (used as is), or a
     ``load_weights(pairs)`` callable (wrapped in a :class:`~aiosync.CallbackSink`; it runs in
-    a worker thread of the receiver). ``endpoint``, ``config``, ``auth`` and ``on_commit``
-    are :class:`~aiosync.WeightReceiver`'s.
+    a worker thread of the receiver). ``endpoint``, ``config``, ``auth``, ``on_commit`` and
+    ``on_live`` are :class:`~aiosync.WeightReceiver`'s: ``on_live(version)`` runs as each
+    version goes live, before any :meth:`serving` block on it is entered (a function in a
+    worker thread of the receiver, an ``async def`` on its background loop).
 
     ``connect`` is :class:`~aiosync.WeightReceiver`'s too: the receiver connects to a
     trainer's bound address (NeMo-RL's policy worker binds its REQ socket) instead of binding.
@@ -107,6 +110,7 @@ class BackgroundReceiver:
         on_commit: Callable[[int], object] | None = None,
         start_timeout: float = START_TIMEOUT,
         stop_timeout: float = STOP_TIMEOUT,
+        on_live: OnLive | None = None,
     ) -> None:
         self.sink = as_sink(sink_or_model)
         self._requested = endpoint
@@ -114,6 +118,7 @@ class BackgroundReceiver:
         self._config = config
         self._auth = auth
         self._on_commit = on_commit
+        self._on_live = on_live
         self._start_timeout = start_timeout
         self._stop_timeout = stop_timeout
         self._receiver: WeightReceiver | None = None
@@ -142,7 +147,7 @@ class BackgroundReceiver:
 
     @property
     def servable(self) -> bool:
-        """False while an in-place sink holds part of an uncommitted version."""
+        """False mid-version in place, or after the live version's ``on_live`` hook failed."""
         return self._receiver.servable if self._receiver else True
 
     @property
@@ -311,6 +316,7 @@ class BackgroundReceiver:
             auth=self._auth,
             connect=self._connect,
             on_commit=self._committed,
+            on_live=self._on_live,
         )
         async with receiver:
             self._receiver = receiver

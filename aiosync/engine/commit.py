@@ -5,6 +5,9 @@ exclusively (waiting, at most ``swap_timeout``, until no read lease is held), ha
 make the version live, and reports to the session, which then acknowledges the sender.
 With ``ReceiverConfig(ack_at="staged")`` the acknowledgement goes out before the wait, as
 soon as the version is staged (see :class:`~aiosync.ReceiverConfig` for what it promises).
+Once the sink made the version live, and still under the gate, it runs the receiver's
+``on_live`` hook (:mod:`aiosync.engine.live_hook`); the version is current once it returns,
+and no lease on it is granted before.
 
 A sink whose commit moves no bytes (``commit_quickly``: a pointer swap) is committed on the
 event loop itself; anything else runs in a worker thread, as applies do (but for a bucket
@@ -27,6 +30,7 @@ from aiosync.core.errors import AiosyncError, SyncTimeoutError
 from aiosync.core.wire import Ack, Message
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.leases import LeaseGate
+from aiosync.engine.live_hook import OnLive, call_on_live
 from aiosync.engine.sinks import WeightSink
 
 log = logging.getLogger(__name__)
@@ -44,7 +48,10 @@ class SwapStats:
     ``last_commit``: from the commit message's action to the version being live and its
     acknowledgement handed to the channel (wait included); ``last_live``: when the last
     version went live (``time.perf_counter()``); ``committed``/``dropped``: versions made
-    live / not made live at this step.
+    live / not made live at this step. ``last_on_live``: how long the ``on_live`` hook took
+    (leases on the new version waited for it); ``on_live_failures``: hooks that raised or
+    timed out; ``on_live_error``: why the live version's hook failed (None: it returned, or
+    there is no hook); while it is set the receiver is not ``servable``.
     """
 
     committed: int = 0
@@ -55,10 +62,13 @@ class SwapStats:
     last_swap_cpu: float = 0.0
     last_commit: float = 0.0
     last_live: float = 0.0
+    last_on_live: float = 0.0
+    on_live_failures: int = 0
+    on_live_error: str | None = None
 
 
 class Swapper:
-    """Carries out ``CommitSink`` for one receiver (its sink, gate, config and limiter)."""
+    """Carries out ``CommitSink`` for one receiver (its sink, gate, config, limiter, hook)."""
 
     def __init__(
         self,
@@ -66,11 +76,13 @@ class Swapper:
         leases: LeaseGate,
         config: ReceiverConfig,
         limiter: anyio.CapacityLimiter,
+        on_live: OnLive | None = None,
     ) -> None:
         self.sink = sink
         self.leases = leases
         self.config = config
         self.limiter = limiter
+        self.on_live = on_live
         self.stats = SwapStats()
 
     async def commit(
@@ -95,9 +107,13 @@ class Swapper:
                     actions = machine.commit_failed(action.peer, action.version, error)
                     self.stats.dropped += 1
                 else:  # live for every lease taken from now on, and only then acknowledged
-                    self.stats.last_live = time.perf_counter()
-                    actions = machine.commit_done(action.peer, action.version, time.monotonic())
-                    self.stats.committed += 1
+                    try:
+                        await self._live(action.version)
+                    finally:  # current from here on, whatever the hook did
+                        self.stats.last_live = time.perf_counter()
+                        now = time.monotonic()
+                        actions = machine.commit_done(action.peer, action.version, now)
+                        self.stats.committed += 1
         except SyncTimeoutError as exc:  # readers held on: nothing was touched
             waited = time.perf_counter() - started
             actions = machine.commit_failed(action.peer, action.version, exc, touched=False)
@@ -108,6 +124,26 @@ class Swapper:
             actions = self._without_reply(action, actions)
         self.stats.last_commit = time.perf_counter() - started
         return actions
+
+    async def _live(self, version: int) -> None:
+        """Run the ``on_live`` hook; a failure leaves the version live, the engine unservable.
+
+        The weights are live already and cannot be taken back (a copy swap overwrote the
+        old ones), so the sender still hears the version committed; the engine's derived
+        state may be stale, which ``servable`` (False until a later hook returns) says.
+        """
+        if self.on_live is None:
+            return
+        started = time.perf_counter()
+        try:
+            await call_on_live(self.on_live, version, self.config.swap_timeout)
+        except AiosyncError as exc:
+            log.error("version %d is live but %s", version, exc, exc_info=exc.__cause__)
+            self.stats.on_live_failures += 1
+            self.stats.on_live_error = str(exc)
+        else:
+            self.stats.on_live_error = None
+        self.stats.last_on_live = time.perf_counter() - started
 
     async def _swap(self, version: int) -> None:
         """The sink's commit: on the loop when no byte moves, else in a worker thread."""

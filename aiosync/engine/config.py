@@ -21,15 +21,16 @@ class ReceiverConfig:
     its buffers unmapped. ``reply_timeout`` bounds sending one reply. ``limits`` bound what
     any one peer may send (sizes, counts, version steps); senders learn them at hello.
     ``swap_timeout``: the longest a new version waits for read leases to be released before
-    it is refused (and the longest a new lease waits for a swap); keep it under senders'
-    timeouts.
+    it is refused (and the longest a new lease waits for a swap, and the longest the
+    receiver's ``on_live`` hook is waited for); keep it under senders' timeouts.
 
     ``ack_at`` says what the sender's commit acknowledgement promises (it matters only for a
     staged sink; for an in-place sink a version is live as soon as it is staged):
 
     * ``"live"`` (default): the ack is sent once the version is live: every lease taken
-      after it reads the new weights and ``current_version`` is the new version. A version
-      that cannot go live within ``swap_timeout`` is refused, so the sender hears it.
+      after it reads the new weights and ``current_version`` is the new version (and the
+      receiver's ``on_live`` hook, if any, has returned). A version that cannot go live
+      within ``swap_timeout`` is refused, so the sender hears it.
     * ``"staged"``: the ack is sent as soon as the whole version is checked and staged in the
       engine, before waiting for read leases; the sender's ``send`` returns while requests
       may still read the previous version. The version then goes live at the first moment

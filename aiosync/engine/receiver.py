@@ -50,6 +50,7 @@ from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
+from aiosync.engine.live_hook import OnLive
 from aiosync.engine.quick_apply import QuickApplies, views_at_once, worker_stream
 from aiosync.engine.sinks import WeightSink, apply_parts
 from aiosync.engine.triage import apply_error, walks_tensors
@@ -87,6 +88,17 @@ class WeightReceiver:
     are cancelled, with every socket and buffer released, when it ends. While one sender
     streams, another's version is refused as busy (it may retry). ``on_commit(version)`` runs
     in a worker thread after each commit. ``held`` keeps buckets named by digest until a commit.
+
+    ``on_live(version)`` runs under the swap, the moment the sink made a version live and
+    before any read lease on it is granted: leases asked for meanwhile wait for it, and with
+    ``ack_at="live"`` so does the sender's acknowledgement; ``current_version`` (and
+    :meth:`wait_for_version`) turn to the new version as it returns.
+    Drop what was computed from the old weights there (a prefix or KV cache). A function runs
+    in a worker thread, an ``async def`` on the loop; either is waited for at most
+    ``swap_timeout``. If it raises or times out, the version stays live (its weights cannot
+    be taken back; the sender hears it committed), the error is logged and kept in
+    ``swap_stats.on_live_error``, and :attr:`servable` is False until a later version's hook
+    returns (:mod:`aiosync.engine.live_hook`).
     """
 
     def __init__(
@@ -98,6 +110,7 @@ class WeightReceiver:
         on_commit: Callable[[int], object] | None = None,
         auth: ChannelAuth | None = None,
         held: HeldBuckets | None = None,
+        on_live: OnLive | None = None,
         connect: str | None = None,
     ) -> None:
         if connect is not None and endpoint is not None:
@@ -118,7 +131,7 @@ class WeightReceiver:
         self._quick_sink = bool(getattr(sink, "applies_quickly", lambda: False)())
         self._committed = anyio.Event()
         self._leases = LeaseGate()
-        self._swapper = Swapper(sink, self._leases, self.config, self._limiter)
+        self._swapper = Swapper(sink, self._leases, self.config, self._limiter, on_live)
         self._task_group: anyio.abc.TaskGroup | None = None
 
     # --- what an engine reads -------------------------------------------------------
@@ -136,7 +149,14 @@ class WeightReceiver:
 
     @property
     def servable(self) -> bool:
-        """False while an in-place sink holds part of an uncommitted version."""
+        """False mid-version in place, or after the live version's ``on_live`` hook failed.
+
+        An in-place sink holding part of an uncommitted version, or a hook that raised or
+        timed out (what the engine derived from the old weights may be stale), until a
+        later version commits (and its hook returns).
+        """
+        if self._swapper.stats.on_live_error is not None:
+            return False
         return self._machine.servable if self._machine else True
 
     @property

@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 STAGES = ("publish", "transfer", "late_join")
 """Latency histograms: a published version from its first bucket to retained, a transfer
-to one engine, and a new engine's wait from subscribing to its first version."""
+to one engine, and a new engine's wait for its first version: from the first moment the
+server has one to send it (it subscribed and a version is retained; with ``follow=False``,
+it fetched one) to that version committed there, retries included."""
 
 
 def _require() -> Any:

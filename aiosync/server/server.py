@@ -328,7 +328,6 @@ class WeightServer:
             return None
         state = self.fleet.add(name, request.max_lag, follow=request.follow)
         state.resume, state.held = request.resume, m.held_digests(request.held)
-        self._begun[name] = time.perf_counter()
         self._tasks.start_soon(self._feed, state, channel, control)
         log.info("subscriber %s at %s (max lag %d)", name, request.endpoint, request.max_lag)
         self._notify()
@@ -345,6 +344,8 @@ class WeightServer:
             while not channel.lost.is_set():
                 target = self.fleet.next_version(state.name, self.store.versions)
                 retained = None if target in (None, refused) else self.store.pin(target)
+                if target is not None and not state.transfers:  # late_join counts from here
+                    self._begun.setdefault(state.name, time.perf_counter())
                 if retained is None:
                     if await gone_while_idle(self._changed, channel):
                         return

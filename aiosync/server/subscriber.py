@@ -1,9 +1,10 @@
 """An engine's side of a server: :class:`Subscriber`, and :class:`ServerClient` for anyone.
 
-A subscriber is an ordinary :class:`~aiosync.engine.receiver.WeightReceiver` (its sink,
-leases, checks and limits unchanged) plus a control channel on which it asks the server
-to feed it: the newest version as it appears (within ``max_lag``), or a named retained
-one. Versions arrive as weight streams from the server to the receiver's endpoint.
+A subscriber wraps an ordinary :class:`~aiosync.engine.receiver.WeightReceiver`
+(:attr:`Subscriber.receiver`: its sink, leases, checks and limits unchanged) and adds a
+control channel on which it asks the server to feed it: the newest version as it appears
+(within ``max_lag``), or a named retained one. Versions arrive as weight streams from the
+server to the receiver's endpoint.
 
 A subscriber that resumes keeps the buckets of a version until it commits, by digest
 (:class:`~aiosync.engine.held.HeldBuckets`: in memory, or files in ``resume_dir``); when
@@ -23,6 +24,7 @@ import anyio
 
 from aiosync.channels.base import Channel, Listener
 from aiosync.channels.keys import ChannelAuth
+from aiosync.core.engine_actions import SyncFailure
 from aiosync.core.errors import (
     AiosyncError,
     PeerGoneError,
@@ -31,8 +33,10 @@ from aiosync.core.errors import (
     SyncTimeoutError,
 )
 from aiosync.core.exception_groups import exit_as_one
+from aiosync.engine.commit import SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets
+from aiosync.engine.live_hook import OnLive
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import WeightSink
 from aiosync.runtime import require_asyncio
@@ -139,7 +143,11 @@ class Subscriber:
     subscribes without taking versions until :meth:`fetch` or :meth:`follow`. ``endpoint``
     is where the receiver binds (default: ``ipc://`` in a private directory; a ``tcp://``
     one takes ``receiver_auth``); ``auth`` reaches the server's control endpoint.
-    ``on_commit(version)`` runs in a worker thread after each commit.
+    ``on_commit(version)`` runs in a worker thread after each commit; ``on_live(version)``
+    runs under the swap, before any lease on the new version (the receiver's, see
+    :class:`~aiosync.WeightReceiver`). What an engine reads of its receiver is here too
+    (:attr:`current_version`, :attr:`servable`, :attr:`failures`, :attr:`swap_stats`,
+    :attr:`endpoint`, :meth:`serving`); the rest is on :attr:`receiver`.
 
     ``resume=True`` keeps the buckets of a version in host memory until it commits (by
     content digest, which the server then sends with each bucket), so that after a broken
@@ -169,6 +177,7 @@ class Subscriber:
         resume: bool | HeldBuckets = False,
         resume_dir: str | os.PathLike[str] | None = None,
         resume_bytes: int | None = None,
+        on_live: OnLive | None = None,
     ) -> None:
         self.server = server
         if isinstance(resume, HeldBuckets):
@@ -191,6 +200,7 @@ class Subscriber:
             auth=receiver_auth,
             on_commit=self._on_commit,
             held=self.held,
+            on_live=on_live,
         )
         self.client = ServerClient(server, auth=auth, timeout=timeout)
 
@@ -207,6 +217,26 @@ class Subscriber:
     def current_version(self) -> int | None:
         """The version this engine serves (None: not ready yet)."""
         return self.receiver.current_version
+
+    @property
+    def servable(self) -> bool:
+        """The receiver's :attr:`~aiosync.WeightReceiver.servable`."""
+        return self.receiver.servable
+
+    @property
+    def failures(self) -> list[SyncFailure]:
+        """The versions that did not commit here, oldest first (the receiver's)."""
+        return self.receiver.failures
+
+    @property
+    def swap_stats(self) -> SwapStats:
+        """How long versions took to go live here (the receiver's)."""
+        return self.receiver.swap_stats
+
+    @property
+    def endpoint(self) -> str:
+        """Where this engine's receiver is bound (the server streams versions to it)."""
+        return self.receiver.endpoint
 
     @property
     def ready(self) -> bool:
