@@ -1,4 +1,4 @@
-"""``python -m aiosync.bench.host_steps``: every host step of a direct read is measured."""
+"""``python -m benchmarks.host_steps``: every host step of a direct read is measured."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.conftest import requires_cuda
 @pytest.mark.gpu
 @requires_cuda
 def test_host_steps_measures_each_step_of_a_kept_direct_read() -> None:
-    from aiosync.bench.host_steps import measure
+    from benchmarks.host_steps import measure
 
     out = measure(5)
     assert out["tensors"] == 291

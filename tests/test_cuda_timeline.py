@@ -1,4 +1,4 @@
-"""The per-bucket timeline tool (``python -m aiosync.bench.cuda_timeline``), run on the CPU.
+"""The per-bucket timeline tool (``python -m benchmarks.cuda_timeline``), run on the CPU.
 
 On the CPU it streams a scaled-down Llama layout over shared memory with the same hooks it
 uses on a GPU: every variant commits bit-exact, and the traced versions have one row per
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from aiosync.bench.timeline_view import BUCKET_COLUMNS, render, timeline
+from benchmarks.timeline_view import BUCKET_COLUMNS, render, timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_tool_traces_every_bucket_of_a_cpu_stream(tmp_path: Path) -> None:
     from aiosync.runtime import child_env
 
-    argv = [sys.executable, "-m", "aiosync.bench.cuda_timeline", "--device", "cpu"]
+    argv = [sys.executable, "-m", "benchmarks.cuda_timeline", "--device", "cpu"]
     argv += ["--hidden", "64", "--variants", "2x1,2x1io,2x1d,2x1f"]
     argv += ["--repeats", "1", "--traced", "1"]
     argv += ["--probe", "", "--out", str(tmp_path)]

@@ -456,7 +456,7 @@ def test_a_kept_layout_is_not_used_for_other_buffers_or_async_values() -> None:
 
 
 def test_the_step_timer_runs_both_sides_and_checks_the_result() -> None:
-    from aiosync.bench.per_tensor_steps import measure
+    from benchmarks.per_tensor_steps import measure
 
     steps = measure(300, 3)  # raises if the engine's tensors differ from the trainer's
     assert {step.split(":")[0] for step in steps} == {"trainer", "engine"}

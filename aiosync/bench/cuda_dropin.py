@@ -32,7 +32,8 @@ from aiosync.bench.model import synthetic_state_dict
 MiB = 1 << 20
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def model_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of every tensor (its byte sum and every 997th byte), in name order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         raw = tensors[name].reshape(-1).view(torch.uint8)
@@ -41,7 +42,8 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _timed(fn: Any, repeats: int) -> list[float]:
+def timed(fn: Any, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after one warm-up, device synchronised."""
     out = []
     for _ in range(repeats + 1):  # the first warms up
         torch.cuda.synchronize()
@@ -51,7 +53,8 @@ def _timed(fn: Any, repeats: int) -> list[float]:
     return out[1:]
 
 
-def _floors(model: dict[str, torch.Tensor], buffer_bytes: int) -> dict[str, float]:
+def copy_floors(model: dict[str, torch.Tensor], buffer_bytes: int) -> dict[str, float]:
+    """The run's copy floors: one flat device copy of the model, and two (via buffers)."""
     total = sum(t.nbytes for t in model.values())
     flat = torch.empty(total, dtype=torch.uint8, device="cuda:0")
     other = torch.empty_like(flat)
@@ -60,7 +63,7 @@ def _floors(model: dict[str, torch.Tensor], buffer_bytes: int) -> dict[str, floa
         other.copy_(flat)
         torch.cuda.synchronize()
 
-    one = statistics.median(_timed(one_copy, 5))
+    one = statistics.median(timed(one_copy, 5))
     buf = flat[: 2 * buffer_bytes]
 
     def two_copies() -> None:
@@ -75,7 +78,7 @@ def _floors(model: dict[str, torch.Tensor], buffer_bytes: int) -> dict[str, floa
             offset += n
         torch.cuda.synchronize()
 
-    two = statistics.median(_timed(two_copies, 5))
+    two = statistics.median(timed(two_copies, 5))
     return {"one_copy_s": one, "two_copies_s": two}
 
 
@@ -95,7 +98,7 @@ def engine(args: argparse.Namespace) -> None:
             while True:  # the trainer's commands, one a line
                 words = (await anyio.to_thread.run_sync(sys.stdin.readline)).split()
                 if not words or words[0] == "digest":
-                    print(json.dumps({"digest": _digest(model)}), flush=True)
+                    print(json.dumps({"digest": model_digest(model)}), flush=True)
                     return
                 await anyio.to_thread.run_sync(_lockstep_engine, model, words[1], int(words[2]))
 
@@ -152,7 +155,7 @@ def _lockstep(
                 json.loads(proc.stdout.readline())  # type: ignore[union-attr]
                 bucket, offset = [], 0
 
-    times = _timed(one_version, repeats)
+    times = timed(one_version, repeats)
     proc.stdin.write("end\n")
     proc.stdin.flush()
     memory.close()
@@ -187,7 +190,7 @@ def trainer(args: argparse.Namespace) -> None:
     try:
         endpoint = json.loads(proc.stdout.readline())["endpoint"]
         out: dict[str, Any] = {"bytes": sum(t.nbytes for t in model.values())}
-        out.update(_floors(model, args.buffer_mb * MiB))
+        out.update(copy_floors(model, args.buffer_mb * MiB))
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
@@ -199,7 +202,7 @@ def trainer(args: argparse.Namespace) -> None:
         first = time.perf_counter()
         dropin()
         out["dropin_first_s"] = time.perf_counter() - first
-        out["dropin_s"] = _timed(dropin, args.repeats)
+        out["dropin_s"] = timed(dropin, args.repeats)
         release_ipc_zmq_streams(sock)
         sock.close(linger=0)
         ctx.term()
@@ -219,7 +222,7 @@ def trainer(args: argparse.Namespace) -> None:
         out["lockstep_s"] = _lockstep(model, proc, total, args.repeats)
         proc.stdin.write("digest\n")
         proc.stdin.flush()
-        out["bit_exact"] = json.loads(proc.stdout.readline())["digest"] == _digest(model)
+        out["bit_exact"] = json.loads(proc.stdout.readline())["digest"] == model_digest(model)
         for key in ("dropin_s", "native_s", "lockstep_s"):
             out[key.replace("_s", "_median_s")] = statistics.median(out[key])
         out["dropin_over_native"] = out["dropin_median_s"] / out["native_median_s"]

@@ -6,7 +6,7 @@ into a buffer, the engine copies them out into its model. Queued on one stream, 
 idle at every boundary: on an H200, Llama-3-8B's 291 tensors take 1.12x one flat copy of
 the same bytes that way. Dealt over the caller's stream and one side stream, forked from
 it and joined back into it, the copies overlap those tails and take 1.03x; more streams
-gain nothing more (``python -m aiosync.bench.copy_paths``, ``docs/benchmarks.md``). To
+gain nothing more (``python -m benchmarks.copy_paths``, ``docs/benchmarks.md``). To
 all other work the batch stays on the caller's stream: it starts after what was queued
 there before and what is queued there after starts after the whole batch.
 

@@ -35,7 +35,7 @@ Host time per bucket is kept short, since with two buffers the next pack can be 
 only after an engine's ack: plain tensors on the buffer's device are queued by address
 (``cudaMemcpyAsync``, spread over two streams: :mod:`aiosync.planes.cuda_copies`), as are
 the engine's copies out of the buffer (:mod:`aiosync.engine.bulk_apply`). ``python -m
-aiosync.bench.cuda_timeline`` shows where a version's time goes, per bucket, on both sides.
+benchmarks.cuda_timeline`` shows where a version's time goes, per bucket, on both sides.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Direct mode against packed mode and the copy floors on one GPU, in one run.
 
-Run as ``python -m aiosync.bench.cuda_direct``.
+Run as ``python -m benchmarks.cuda_direct``.
 
 An engine process (:mod:`aiosync.bench.cuda_dropin`'s ``engine`` role) holds a bf16
 Llama-shaped model of ``--size-mb`` on ``cuda:0``; this process holds the same shapes as
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from aiosync.bench.cuda_dropin import _digest, _floors
+from aiosync.bench.cuda_dropin import copy_floors, model_digest
 from aiosync.bench.model import synthetic_state_dict
-from aiosync.bench.timeline_switches import direct_source
+from benchmarks.timeline_switches import direct_source
 
 MiB = 1 << 20
 
@@ -54,7 +54,7 @@ def _per_tensor_floor(model: dict[str, torch.Tensor]) -> float:
     them (:class:`~aiosync.planes.cuda_copies.DeviceCopies`): direct mode's GPU work in one
     process, with no host message at all.
     """
-    from aiosync.bench.cuda_dropin import _timed
+    from aiosync.bench.cuda_dropin import timed
     from aiosync.planes.cuda_copies import DeviceCopies
 
     pairs = [(torch.empty_like(t), t) for t in model.values()]
@@ -65,7 +65,7 @@ def _per_tensor_floor(model: dict[str, torch.Tensor]) -> float:
         copies.queue(jobs, torch.cuda.current_stream())
         torch.cuda.synchronize()
 
-    out = statistics.median(_timed(copy, 5))
+    out = statistics.median(timed(copy, 5))
     del pairs
     torch.cuda.empty_cache()
     return out
@@ -103,7 +103,7 @@ def main() -> None:
         endpoint = json.loads(proc.stdout.readline())["endpoint"]
         out: dict[str, Any] = {"bytes": sum(t.nbytes for t in model.values())}
         out["tensors"] = len(model)
-        out.update(_floors(plain, args.buffer_mb * MiB))
+        out.update(copy_floors(plain, args.buffer_mb * MiB))
         out["one_copy_per_tensor_s"] = _per_tensor_floor(plain)
 
         async def one(mode: str, source: dict[str, torch.Tensor]) -> None:
@@ -134,7 +134,7 @@ def main() -> None:
         run(every)
         proc.stdin.write("digest\n")
         proc.stdin.flush()
-        out["bit_exact"] = json.loads(proc.stdout.readline())["digest"] == _digest(plain)
+        out["bit_exact"] = json.loads(proc.stdout.readline())["digest"] == model_digest(plain)
         out["direct_over_one_copy"] = out["direct_median_s"] / out["one_copy_s"]
         out["packed_over_two_copies"] = out["packed_median_s"] / out["two_copies_s"]
         out["mixed_over_one_copy"] = out["mixed_median_s"] / out["one_copy_s"]

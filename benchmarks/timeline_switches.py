@@ -1,4 +1,4 @@
-"""Experiments for :mod:`aiosync.bench.cuda_timeline`: switch a step back or off its thread.
+"""Experiments for :mod:`benchmarks.cuda_timeline`: switch a step back or off its thread.
 
 Each switch patches this process's pipeline in place and returns a set of flags; an empty
 set (the default) leaves the code as it is, so one run measures the code and the variants.

@@ -1,8 +1,8 @@
 """Where a collective version's time goes: marks of both processes of :mod:`.collective`.
 
 A profiling aid, never imported by the library. On top of
-:func:`~aiosync.bench.timeline_hooks.trainer_hooks` and
-:func:`~aiosync.bench.timeline_hooks.engine_hooks` it marks, on each side, the k-th
+:func:`~benchmarks.timeline_hooks.trainer_hooks` and
+:func:`~benchmarks.timeline_hooks.engine_hooks` it marks, on each side, the k-th
 broadcast of a version: when it was queued (host) and when it ran (a GPU
 span on the stream it was queued on), the engine's ``view`` (posting the receive) and the
 version's one host wait (``settle``, ``drain``). :func:`collective_timeline` gives one row
@@ -15,8 +15,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from aiosync.bench import timeline_hooks, timeline_view
-from aiosync.bench.timeline_hooks import Mark, Recorder, mark_phase
+from benchmarks import timeline_hooks, timeline_view
+from benchmarks.timeline_hooks import Mark, Recorder, mark_phase
 
 COLUMNS = [
     ("T packcall0", "pack call"),

@@ -1,13 +1,13 @@
 """Where one version's time goes: host timestamps and GPU spans in both processes.
 
-A profiling aid for :mod:`aiosync.bench.cuda_timeline`, never imported by the library. A
+A profiling aid for :mod:`benchmarks.cuda_timeline`, never imported by the library. A
 :class:`Recorder` keeps host marks (``time.monotonic_ns``, one clock for every process of
 the machine) and, on CUDA, timing events around each bucket's pack and apply, placed in
 host time through a reference event recorded while the device was idle.
 :func:`trainer_hooks` and :func:`engine_hooks` wrap the pipeline's functions in place (this
-process only); :mod:`aiosync.bench.timeline_view` merges both sides' records into one row
+process only); :mod:`benchmarks.timeline_view` merges both sides' records into one row
 per bucket and prints them. The switches that turn steps back or off their threads are in
-:mod:`aiosync.bench.timeline_switches`.
+:mod:`benchmarks.timeline_switches`.
 """
 
 from __future__ import annotations

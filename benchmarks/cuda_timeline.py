@@ -1,4 +1,4 @@
-"""Where a version's time goes on one GPU: ``python -m aiosync.bench.cuda_timeline``.
+"""Where a version's time goes on one GPU: ``python -m benchmarks.cuda_timeline``.
 
 An engine process (``engine`` role) holds a zeroed copy of a Llama-shaped model (bf16
 Llama-3-8B shapes on CUDA, or ``--hidden`` scaled-down ones); this process streams the
@@ -7,14 +7,14 @@ N buffers of MB MiB), ``--repeats`` timed versions after a warm-up each, reporti
 median and the trainer loop's longest stall; a variant ending in ``i`` packs and applies
 on the event loops, one ending in ``o`` copies one ``copy_`` a tensor as before the
 by-address copies, one in ``s`` queues them on one stream, not two, and one in ``g`` spreads
-them without gates (:mod:`aiosync.bench.timeline_switches`); ``d`` sends in direct mode
+them without gates (:mod:`benchmarks.timeline_switches`); ``d`` sends in direct mode
 (the engine copies out of this process's tensors, each its own region: an allocation on
 CUDA, a shared segment on the CPU) and ``f`` in direct mode out of one region (the
 tensors as views of one allocation or segment); ``e`` sends each ``begin`` after the read,
 not before it (:mod:`aiosync.pipeline.early_begin`), and ``b`` bucket 1 after the read,
 not with that begin; ``q`` applies every bucket in the engine's worker thread
 (:mod:`aiosync.engine.quick_apply`). It then streams ``--traced`` more versions of
-the first variant with :mod:`aiosync.bench.timeline_hooks` in both processes and prints,
+the first variant with :mod:`benchmarks.timeline_hooks` in both processes and prints,
 per bucket, when each step happened (host marks and GPU spans, ms from the send's start).
 On CUDA the same run measures the floors (one flat device copy; every tensor into
 buffers and back) and a plain event-chained pack/apply between the two processes with one
@@ -39,8 +39,8 @@ from typing import Any
 import anyio
 import torch
 
-from aiosync.bench import timeline_hooks, timeline_switches, timeline_view
 from aiosync.bench.model import LLAMA3_8B, llama_layout
+from benchmarks import timeline_hooks, timeline_switches, timeline_view
 
 MiB = 1 << 20
 
@@ -72,7 +72,7 @@ def _say(payload: dict[str, Any]) -> None:
 def engine(args: argparse.Namespace) -> None:
     """Serve the model; obey the trainer's one-line commands on stdin."""
     from aiosync import ModuleSink, WeightReceiver
-    from aiosync.bench.cuda_dropin import _digest
+    from aiosync.bench.cuda_dropin import model_digest
     from aiosync.runtime import run
 
     model = build(args, 0)
@@ -96,7 +96,7 @@ def engine(args: argparse.Namespace) -> None:
                 if not words or words[0] == "digest":
                     copies = getattr(sink._programs, "_copies", {})
                     batches = {k: dict(c.batches) for k, c in copies.items()}
-                    _say({"digest": _digest(model), "batches": batches})
+                    _say({"digest": model_digest(model), "batches": batches})
                     return
                 if words[0] == "start":
                     rec.start()
@@ -184,7 +184,7 @@ def _probe(
     ``alternate`` (with ``signals``): each pack waits for the engine's last apply, not for
     the one that last used its buffer, so the two processes never have work ready at once.
     """
-    from aiosync.bench.cuda_dropin import _timed
+    from aiosync.bench.cuda_dropin import timed
     from aiosync.core.layout import pack_bucket, plan_buckets
     from aiosync.planes.cuda_counters import wait_value, write_value
     from aiosync.planes.cuda_legacy import _new_event, _open_event
@@ -236,7 +236,7 @@ def _probe(
             int(stdout.readline())
         json.loads(stdout.readline())
 
-    times = _timed(one_version, repeats)
+    times = timed(one_version, repeats)
     stdin.write("close\n")
     stdin.flush()
     json.loads(stdout.readline())  # the engine unmapped the buffers
@@ -320,12 +320,12 @@ def _variant(variant: str) -> tuple[str, list[str]]:
 
 def trainer(args: argparse.Namespace) -> None:
     """Start the engine, run every variant, the traced versions and the probe; print JSON."""
-    from aiosync.bench.cuda_dropin import _digest, _floors
+    from aiosync.bench.cuda_dropin import copy_floors, model_digest
     from aiosync.runtime import child_env, run
 
     cuda = args.device.startswith("cuda")
     model = build(args, 1)
-    argv = [sys.executable, "-m", "aiosync.bench.cuda_timeline", "engine"]
+    argv = [sys.executable, "-m", "benchmarks.cuda_timeline", "engine"]
     argv += ["--device", args.device, "--hidden", str(args.hidden)]
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env()
@@ -352,7 +352,7 @@ def trainer(args: argparse.Namespace) -> None:
         endpoint = json.loads(stdout.readline())["endpoint"]
         variants = args.variants.split(",")
         if cuda:
-            out.update(_floors(model, int(_variant(variants[0])[0].split("x")[1]) * MiB))
+            out.update(copy_floors(model, int(_variant(variants[0])[0].split("x")[1]) * MiB))
         for variant in variants:
             shape, flags = _variant(variant)
             inline.clear()
@@ -408,7 +408,7 @@ def trainer(args: argparse.Namespace) -> None:
             out["probe " + probe] = {"median_s": statistics.median(times), "times_s": times}
             print(f"probe {probe}: {[round(t * 1e3, 2) for t in times]}", flush=True)
         digest = command("digest")
-        out["bit_exact"] = digest["digest"] == _digest(model)
+        out["bit_exact"] = digest["digest"] == model_digest(model)
         out["engine_batches"] = digest.get("batches", {})  # how its copies were queued
         if cuda:
             two = out["two_copies_s"]

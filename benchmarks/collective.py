@@ -1,6 +1,6 @@
 """Broadcast to an engine on another GPU, against a raw NCCL broadcast of the same bytes.
 
-Run as ``python -m aiosync.bench.collective`` on a host with two GPUs. This process is the
+Run as ``python -m benchmarks.collective`` on a host with two GPUs. This process is the
 trainer on GPU 0 with Llama-3-8B's 291 tensors in bf16 (16.06 GB); an engine process (an
 ordinary :class:`~aiosync.WeightReceiver` with a :class:`~aiosync.ModuleSink`) holds the
 same shapes on GPU 1. In one run, each ``--repeats`` times after a warm-up:
@@ -18,7 +18,7 @@ two-phase commit). After each mode the engine compares every tensor, bit for bit
 raw broadcast of the trainer's tensor. Prints one JSON object (medians in ms, ratios to
 ``raw``, ``bit_exact`` per mode); a mode that fails reports its error, the others still run.
 ``--traced N`` then streams N more ``flat`` versions with both processes' marks
-(:mod:`aiosync.bench.collective_hooks`) and prints each one's timeline to stderr.
+(:mod:`benchmarks.collective_hooks`) and prints each one's timeline to stderr.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from aiosync.bench import collective_hooks
 from aiosync.bench.model import LLAMA3_8B, llama_layout
-from aiosync.bench.timeline_hooks import Recorder
-from aiosync.bench.timeline_view import render
 from aiosync.collectives import host_store, init_process_group, new_token, token_store
 from aiosync.collectives.rendezvous import connect_store
+from benchmarks import collective_hooks
+from benchmarks.timeline_hooks import Recorder
+from benchmarks.timeline_view import render
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -173,7 +173,7 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(t.nbytes for t in model.values())
     hosted, token = host_store(timeout=timedelta(seconds=120)), new_token()
     env = {**child_env(), **SAFE_ENV}
-    command = [sys.executable, "-m", "aiosync.bench.collective", "--role", "engine"]
+    command = [sys.executable, "-m", "benchmarks.collective", "--role", "engine"]
     command += ["--port", str(hosted.port), "--token", token, "--scale", str(args.scale)]
     command += ["--engine-device", args.engine_device]
     command += ["--cpu"] if args.cpu else []

@@ -1,4 +1,4 @@
-"""Each per-tensor step of one version, timed alone: ``python -m aiosync.bench.per_tensor_steps``.
+"""Each per-tensor step of one version, timed alone: ``python -m benchmarks.per_tensor_steps``.
 
 The trainer's steps (lay out, encode the ``begin``, pack, encode the buckets) and the
 engine's (decode, open the stream, resolve the buckets, apply them to a ``ModuleSink``,

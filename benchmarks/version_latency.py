@@ -1,6 +1,6 @@
 """The fixed cost of a version: what a send costs before and after its bytes, bytes aside.
 
-``python -m aiosync.bench.version_latency`` starts one engine process (a
+``python -m benchmarks.version_latency`` starts one engine process (a
 :class:`~aiosync.WeightReceiver` over an in-place :class:`~aiosync.ModuleSink`, shared
 memory plane) and streams versions to it from this process: Llama-3-8B's 291 tensor names
 and shapes with every dimension divided by ``--scale`` (so bytes cost nothing), and, for
@@ -209,7 +209,7 @@ def trainer(args: argparse.Namespace) -> dict[str, Any]:
             [
                 sys.executable,
                 "-m",
-                "aiosync.bench.version_latency",
+                "benchmarks.version_latency",
                 "--role",
                 "engine",
                 "--scale",

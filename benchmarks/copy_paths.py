@@ -1,6 +1,6 @@
 """Per-tensor device copies against one flat copy: which way of queueing them runs fastest.
 
-Run as ``python -m aiosync.bench.copy_paths`` on a CUDA host. Llama-3-8B's 291 tensors in
+Run as ``python -m benchmarks.copy_paths`` on a CUDA host. Llama-3-8B's 291 tensors in
 bf16 (16.06 GB) are copied device to device, GPU time only (the stream is held by a short
 spin while the copies are queued, so host queueing is not counted), median of
 ``--repeats``:

@@ -1,4 +1,4 @@
-"""What a direct-mode version's host steps cost: ``python -m aiosync.bench.host_steps``.
+"""What a direct-mode version's host steps cost: ``python -m benchmarks.host_steps``.
 
 On a CUDA host, with Llama-3-8B's 291 parameters in bf16 (one allocation each), medians of
 ``--repeats`` calls, back to back (a warm CPU):

@@ -1,4 +1,4 @@
-"""One version's timeline from both processes' marks (:mod:`aiosync.bench.timeline_hooks`).
+"""One version's timeline from both processes' marks (:mod:`benchmarks.timeline_hooks`).
 
 :func:`timeline` merges the trainer's and the engine's records into one row per bucket (ms
 from the trainer's send), the version's phases and every mark of its first
@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from aiosync.bench.timeline_hooks import Mark
+from benchmarks.timeline_hooks import Mark
 
 EARLY_MS = 3.0
 """A timeline lists every mark of this many first ms of the version (where the start goes)."""
