@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aiosync.channels.keys import ChannelAuth
+from aiosync.core.limits import Limits
 from aiosync.engine.config import ReceiverConfig
 from aiosync.server.retention import RetentionPolicy
 
@@ -26,7 +27,8 @@ class ServerConfig:
     version from that server's control endpoint (``upstream_auth``: its CURVE client keys)
     and serves it here (:mod:`aiosync.server.relay`); with ``resume_dir`` it saves the
     buckets of a version it is pulling there, so that after a restart it fetches only the
-    missing ones.
+    missing ones. ``upstream_limits`` bound what the upstream may send, as an engine's
+    ``limits`` bound a sender (:mod:`aiosync.server.relay_checks`).
     """
 
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
@@ -46,6 +48,7 @@ class ServerConfig:
     upstream: str | None = None
     upstream_auth: ChannelAuth | None = None
     resume_dir: str | None = None
+    upstream_limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.max_wait, self.memory_timeout) <= 0:

@@ -177,9 +177,6 @@ CHUNK_BYTES = 4 << 20
 MAX_HELD = 1 << 14
 """Digests of held buckets a server reads from one subscription (the rest are not held)."""
 
-MAX_RELAY_REPLY = 256 << 20
-"""Largest reply a relay accepts (a :class:`Head` of a version with many tensors)."""
-
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
 _replies = msgspec.msgpack.Decoder(Reply)

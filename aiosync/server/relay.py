@@ -12,6 +12,11 @@ digest of its content, and its specs), and each ``get`` with the bucket's bytes 
 upstream's queue for a relay holds at most one bucket). Buckets are identified by
 content: the relay fetches only those whose digest it has neither retained nor received
 in an earlier, interrupted attempt (resumable transfers), and copies the others locally.
+
+The upstream is hostile input, bounded by the same :class:`~aiosync.core.limits.Limits`
+as an engine's peers (:mod:`aiosync.server.relay_checks`): a head past them is refused
+before anything is allocated, named in :attr:`Relay.last_error`, and that version is
+skipped (the relay waits for a newer one); the relay keeps running.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ import torch
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, ProtocolError, RejectedError, SyncTimeoutError
-from aiosync.core.layout import TensorSpec
+from aiosync.core.limits import Limits
 from aiosync.engine.held import HeldBuckets, bucket_digest
 from aiosync.server import messages as m
+from aiosync.server.relay_checks import check_buckets, check_newer
 from aiosync.server.store import RetentionStore
 
 log = logging.getLogger(__name__)
@@ -118,6 +124,11 @@ class Relay:
     (one file per bucket, named by its digest, checked against it when read back), so a
     relay *process* that was killed and started again fetches only what is missing too;
     the files go once the version is retained.
+
+    ``limits`` bound what the upstream may make the relay hold: a version's buckets,
+    bytes and tensors, and each reply's bytes. A version refused for its buckets is
+    :attr:`refused` and not pulled again; :attr:`last_error` says why the last attempt
+    failed.
     """
 
     def __init__(
@@ -129,9 +140,14 @@ class Relay:
         auth: ChannelAuth | None = None,
         timeout: float = 60.0,
         resume_dir: str | os.PathLike[str] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.upstream = upstream
-        self.held = HeldBuckets(resume_dir, memory=True)  # buckets of an unfinished pull
+        self.limits = Limits() if limits is None else limits
+        # buckets of an unfinished pull: the version arriving and the one before
+        self.held = HeldBuckets(
+            resume_dir, memory=True, max_bytes=2 * self.limits.max_session_bytes
+        )
         self.resume_dir = self.held.directory
         self.store = store
         self.published = published
@@ -140,6 +156,8 @@ class Relay:
         self._spare: dict[int, list[torch.Tensor]] = {}  # receive buffers to reuse, by size
         self.bytes_fetched = 0
         self.bytes_reused = 0
+        self.refused: int | None = None  # the newest version refused for its buckets
+        self.last_error: Exception | None = None  # why the last attempt failed
 
     async def run(self, poll: float = 3600.0) -> None:
         """Pull every new version until cancelled; reconnect after a broken attempt."""
@@ -151,6 +169,7 @@ class Relay:
             except (AiosyncError, OSError) as exc:
                 if isinstance(exc, SyncTimeoutError):
                     continue
+                self.last_error = exc
                 log.warning("relay from %s broke: %s; reconnecting", self.upstream, exc)
                 await anyio.sleep(1.0)
 
@@ -163,7 +182,7 @@ class Relay:
     async def _ask(self, channel: Channel, request: m.Request, seconds: float) -> m.Reply:
         with _bounded(seconds, f"answer to {type(request).__name__}", self.upstream):
             await channel.send(m.encode(request))
-            reply = m.decode_reply(await channel.recv(), m.MAX_RELAY_REPLY)
+            reply = m.decode_reply(await channel.recv(), self.limits.max_message_bytes)
         if isinstance(reply, m.Refused):
             raise RejectedError(reply.reason, peer=self.upstream)
         if isinstance(reply, m.Closing):
@@ -179,9 +198,12 @@ class Relay:
         up as a broken connection would, keeping them for the next attempt.
         """
         have = self.store.newest
-        head = await self._ask(channel, m.Pull(have, wait), wait + self.timeout)
+        refused = self.refused
+        skip = refused if refused is not None and (have is None or refused > have) else have
+        head = await self._ask(channel, m.Pull(skip, wait), wait + self.timeout)
         if not isinstance(head, m.Head):
             raise ProtocolError(f"expected a head, got {type(head).__name__}", peer=self.upstream)
+        await self._check(head, skip)
         local = self._local_index()
         held = await anyio.to_thread.run_sync(self._held_of, head, local)
         firsts = {bucket.digest: i for i, bucket in reversed(list(enumerate(head.buckets)))}
@@ -193,7 +215,6 @@ class Relay:
         asked = 0  # the next bucket of ``wanted`` to ask for; at most AHEAD asked, unread
         try:
             for index, bucket in enumerate(head.buckets):
-                _check_specs(bucket.specs, bucket.used)
                 if bucket.digest in local and await self._copy_local(local[bucket.digest], bucket):
                     continue
                 data = self.held.cached(bucket.digest)
@@ -220,6 +241,26 @@ class Relay:
             self._spare.setdefault(data.numel(), []).append(data)
         self.published(head.version)
         return head.version
+
+    async def _check(self, head: m.Head, after: int | None) -> None:
+        """Refuse a head past the limits (nothing allocated yet), naming the upstream.
+
+        ``after``: the version asked past (the newest retained, or a newer one refused).
+        """
+        try:
+            check_newer(head.version, after)
+            try:
+                await anyio.to_thread.run_sync(check_buckets, head, self.limits)
+            except ProtocolError:
+                self.refused = head.version  # not asked for again: wait for a newer one
+                raise
+        except ProtocolError as exc:
+            raise ProtocolError(
+                f"refused the upstream's head: {exc.reason}",
+                peer=self.upstream,
+                version=exc.version,
+                tensor=exc.tensor,
+            ) from None
 
     def _keep(self, version: int, digest: bytes, data: torch.Tensor) -> None:
         """Keep a received (and checked) bucket until the version is retained."""
@@ -273,15 +314,20 @@ class Relay:
         self, channel: Channel, version: int, index: int, bucket: m.BucketHead
     ) -> torch.Tensor:
         """One asked-for bucket's chunks, assembled and checked against its digest."""
-        if not 0 < bucket.used <= 1 << 40:
-            raise ProtocolError(f"bucket of {bucket.used} bytes", peer=self.upstream)
         spare = self._spare.get(bucket.used)
-        data = spare.pop() if spare else torch.empty(bucket.used, dtype=torch.uint8)
+        try:
+            data = spare.pop() if spare else torch.empty(bucket.used, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocator says RuntimeError
+            raise AiosyncError(
+                f"cannot allocate {bucket.used} bytes for bucket {index}: {exc}",
+                peer=self.upstream,
+                version=version,
+            ) from None
         view = data.numpy()
         received = 0
         while received < bucket.used:
             with _bounded(self.timeout, "chunk", self.upstream):
-                reply = m.decode_reply(await channel.recv(), m.MAX_RELAY_REPLY)
+                reply = m.decode_reply(await channel.recv(), self.limits.max_message_bytes)
             if isinstance(reply, m.Refused):
                 raise RejectedError(reply.reason, peer=self.upstream)
             if (
@@ -305,13 +351,6 @@ def _bounded(seconds: float, what: str, peer: str) -> Iterator[None]:
         yield
     if scope.cancelled_caught:
         raise SyncTimeoutError(f"no {what} within {seconds:g}s", peer=peer)
-
-
-def _check_specs(specs: list[TensorSpec], used: int) -> None:
-    """Each spec lies inside the bucket (subscribers check the rest, as for any sender)."""
-    for spec in specs:
-        if spec.offset < 0 or spec.nbytes < 0 or spec.offset + spec.nbytes > used:
-            raise ProtocolError(f"spec outside its {used}-byte bucket", tensor=spec.name)
 
 
 class _Owned:

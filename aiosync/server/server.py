@@ -175,6 +175,7 @@ class WeightServer:
                     auth=self.config.upstream_auth,
                     timeout=self.config.timeout,
                     resume_dir=self.config.resume_dir,
+                    limits=self.config.upstream_limits,
                 )
                 self.relay = relay
                 self._tasks.start_soon(relay.run)
