@@ -50,6 +50,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve /metrics and /healthz on 127.0.0.1:PORT (0: any free port); default: off",
     )
     parser.add_argument(
+        "--metrics-concurrency",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="metrics requests answered at once at most (more get 503)",
+    )
+    parser.add_argument(
+        "--metrics-read-timeout",
+        type=positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="close a metrics connection whose request has not arrived within this",
+    )
+    parser.add_argument(
         "--keypair", metavar="FILE", help="the server's CURVE secret key file (tcp:// needs keys)"
     )
     parser.add_argument(
@@ -114,6 +128,8 @@ def serve(args: argparse.Namespace) -> int:
             subscriber_auth=client,
             timeout=args.timeout,
             metrics_port=args.metrics_port,
+            metrics_concurrency=args.metrics_concurrency,
+            metrics_read_timeout=args.metrics_read_timeout,
             upstream=args.upstream,
             upstream_auth=upstream_auth,
             resume_dir=args.resume_dir,

@@ -23,7 +23,9 @@ class ServerConfig:
     ``window`` the buckets awaiting a subscriber's ack; ``max_subscribers`` the
     subscriptions at once; ``memory_timeout`` how long a publisher's bucket waits for room.
     ``metrics_port`` (None: off) serves ``/metrics`` and ``/healthz`` on ``metrics_host``,
-    which must be loopback. ``upstream`` makes this server a relay: it pulls every new
+    which must be loopback, answering at most ``metrics_concurrency`` requests at once (more
+    get 503) and closing a connection whose request has not arrived within
+    ``metrics_read_timeout`` seconds. ``upstream`` makes this server a relay: it pulls every new
     version from that server's control endpoint (``upstream_auth``: its CURVE client keys)
     and serves it here (:mod:`aiosync.server.relay`); with ``resume_dir`` it saves the
     buckets of a version it is pulling there, so that after a restart it fetches only the
@@ -44,6 +46,8 @@ class ServerConfig:
     memory_timeout: float = 60.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    metrics_concurrency: int = 8
+    metrics_read_timeout: float = 5.0
     name: str = ""
     upstream: str | None = None
     upstream_auth: ChannelAuth | None = None
@@ -55,3 +59,8 @@ class ServerConfig:
             raise ValueError("server timeouts must be positive")
         if self.window < 1 or self.max_subscribers < 1:
             raise ValueError("window and max_subscribers must be at least 1")
+        workers, seconds = self.metrics_concurrency, self.metrics_read_timeout
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"metrics_concurrency must be at least 1, got {workers!r}")
+        if not seconds > 0:  # also NaN
+            raise ValueError(f"metrics_read_timeout must be positive, got {seconds!r}")

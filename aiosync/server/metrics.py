@@ -3,7 +3,10 @@
 Each server has a registry of its own (two servers in one process do not mix). The HTTP
 endpoint is off unless asked for, and binds loopback only: :func:`serve_metrics` refuses
 any other host. ``/metrics`` is the Prometheus text format; ``/healthz`` answers 200 once
-the server holds a version and 503 before (its body says why).
+the server holds a version and 503 before (its body says why). The endpoint answers at
+most ``ServerConfig.metrics_concurrency`` requests at once and closes a connection whose
+request has not arrived within ``metrics_read_timeout`` seconds
+(:mod:`aiosync.server.metrics_http`): slow clients hold no threads.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack, ExitStack
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from aiosync.core.errors import UsageError
 from aiosync.server.config import ServerConfig
 from aiosync.server.fleet import FleetBook
+from aiosync.server.metrics_http import BoundedHTTPServer, HeadReadHandler
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,11 @@ def _loopback(host: str) -> bool:
 
 
 class MetricsEndpoint:
-    """A small HTTP server on a loopback address, in a thread of its own."""
+    """A small HTTP server on a loopback address, in a thread of its own.
+
+    At most ``concurrency`` requests are answered at once (more get 503); a connection
+    whose request has not arrived within ``read_timeout`` seconds is closed.
+    """
 
     def __init__(
         self,
@@ -121,13 +128,18 @@ class MetricsEndpoint:
         health: Callable[[], tuple[bool, dict[str, Any]]],
         host: str = "127.0.0.1",
         port: int = 0,
+        *,
+        concurrency: int = 8,
+        read_timeout: float = 5.0,
     ) -> None:
         if not _loopback(host):
             raise UsageError(f"the metrics endpoint binds loopback only, not {host!r}")
         self._metrics = metrics
         self._health = health
         handler = self._handler()
-        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server = BoundedHTTPServer(
+            (host, port), handler, concurrency=concurrency, read_timeout=read_timeout
+        )
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="aiosync-metrics", daemon=True
         )
@@ -138,10 +150,10 @@ class MetricsEndpoint:
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
+    def _handler(self) -> type[HeadReadHandler]:
         endpoint = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(HeadReadHandler):
             def do_GET(self) -> None:
                 if self.path == "/metrics":
                     body, status = endpoint._metrics.text(), 200
@@ -192,7 +204,14 @@ def open_metrics(
         return None, None
     if config.metrics_port is None:
         return metrics, None
-    http = MetricsEndpoint(metrics, health, config.metrics_host, config.metrics_port)
+    http = MetricsEndpoint(
+        metrics,
+        health,
+        config.metrics_host,
+        config.metrics_port,
+        concurrency=config.metrics_concurrency,
+        read_timeout=config.metrics_read_timeout,
+    )
     stack.callback(http.close)
     http.start()
     return metrics, http
