@@ -3,12 +3,14 @@
 A bucket is identified by its content: :func:`bucket_digest` (SHA-256 of its bytes).
 :class:`HeldBuckets` keeps the buckets of an unfinished version by digest, in memory (they
 survive a dropped connection) or as files in a private directory (they survive a killed
-process too): one file per bucket, named by its digest, mode 0600, written atomically.
-Nothing read back is trusted: a bucket is checked against its digest before it is used
-(a file that fails is removed and counts as missing), and a file whose name is not a
-digest is ignored. The store is bounded in bytes and by version (the buckets of the
-version arriving and of the last unfinished one); whoever owns it clears it once a
-version commits.
+process too): one file per bucket, named by its digest, mode 0600, written atomically,
+in a directory opened once and used only through its descriptor
+(:class:`~aiosync.engine.held_files.BucketDir`). Nothing read back is trusted: a bucket is
+checked against its digest before it is used (a file that fails is removed and counts as
+missing), a file whose name is not a digest is ignored, and anything but a regular file
+under a bucket's name is skipped and reported, never fatal. The store is bounded in bytes
+and by version (the buckets of the version arriving and of the last unfinished one);
+whoever owns it clears it once a version commits.
 
 Both sides use it: a relay (:mod:`aiosync.server.relay`) for the versions it pulls, and
 an engine's :class:`~aiosync.engine.receiver.WeightReceiver` for buckets a sender names
@@ -21,26 +23,23 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
-import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import torch
 
 from aiosync.core.engine_actions import Apply
 from aiosync.core.errors import AiosyncError, UsageError
 from aiosync.core.layout import TensorSpec
+from aiosync.engine.held_files import BucketDir
 
 log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 32
 """Bytes of a bucket digest (SHA-256)."""
-
-_SAVED = re.compile(r"[0-9a-f]{64}")
-_PART = re.compile(r"[0-9a-f]{64}\.part")
 
 
 def bucket_digest(data: torch.Tensor) -> bytes:
@@ -50,15 +49,6 @@ def bucket_digest(data: torch.Tensor) -> bytes:
     hashes about three times faster (1.8 against 0.6 GB/s on the development machine).
     """
     return hashlib.sha256(data.numpy().data).digest()
-
-
-def private_dir(path: Path) -> Path:
-    """``path`` made (mode 0700) or checked: a directory of this user that others cannot write."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = os.stat(path, follow_symlinks=False)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise AiosyncError(f"resume directory {path} must be a directory of this user, 0700")
-    return path
 
 
 @dataclass
@@ -72,11 +62,15 @@ class _Entry:
 class HeldBuckets:
     """The buckets of an unfinished version by digest: in memory, in ``directory``, or both.
 
-    ``directory`` (made 0700, or checked to be this user's and not writable by others)
-    keeps each bucket as a file, so a new process finds them; ``memory`` (default: only
-    without a directory) also keeps them in host memory. At most ``max_bytes`` are kept
-    (None: no byte bound), and only the buckets of two versions: the one arriving and the
-    one before (a bucket of a third version drops the oldest). A digest is 32 bytes; a
+    ``directory`` (made 0700, or checked to be this user's, not a symlink and not
+    writable by others) keeps each bucket as a file, so a new process finds them; it is
+    opened once and held open until :meth:`close` (or ``with``; the store's garbage
+    collection closes it too), and every file is reached relative to that descriptor.
+    Entries under a bucket's name that are not bucket files are skipped, logged and
+    listed in :attr:`skipped`. ``memory`` (default: only without a directory) also keeps
+    them in host memory. At most ``max_bytes`` are kept (None: no byte bound), and only
+    the buckets of two versions: the one arriving and the one before (a bucket of a third
+    version drops the oldest). A digest is 32 bytes; a
     bucket is checked against it whenever it is read back. ``reuse``: memory released by
     :meth:`clear` is kept for the next version's buckets of the same sizes (faulting fresh
     pages in costs more than the copy; it then holds a version's worth of host memory
@@ -91,12 +85,14 @@ class HeldBuckets:
         max_bytes: int | None = None,
         reuse: bool = False,
     ) -> None:
-        self.directory = None if directory is None else private_dir(Path(directory))
-        self.memory = self.directory is None if memory is None else memory
-        if not self.memory and self.directory is None:
+        if not memory and memory is not None and directory is None:
             raise UsageError("a bucket store keeps buckets in memory, in a directory, or both")
         if max_bytes is not None and max_bytes <= 0:
             raise UsageError(f"max_bytes must be positive, got {max_bytes}")
+        self.directory = None if directory is None else Path(directory)
+        self.memory = self.directory is None if memory is None else memory
+        self._files = None if self.directory is None else BucketDir(self.directory)
+        self._skipped = {} if self._files is None else self._files.skipped
         self.max_bytes = max_bytes
         self.reuse = reuse
         self._spare: dict[int, list[torch.Tensor]] = {}  # released memory, by size
@@ -104,8 +100,45 @@ class HeldBuckets:
         self._entries: dict[bytes, _Entry] = {}
         self._versions: list[int | None] = [None]  # the versions kept, newest last (two)
         self.refused = 0  # buckets read back that did not match their digest
-        if self.directory is not None:
-            self._scan(self.directory)
+        if self._files is not None:
+            try:
+                for digest, nbytes in self._files.scan(max_bytes):
+                    self._entries[digest] = _Entry(None, nbytes, None, False)
+            except BaseException:
+                self._files.close()
+                raise
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Entries under a bucket's name that were not bucket files (name: what it was)."""
+        with self._lock:
+            return dict(self._skipped)
+
+    def close(self) -> None:
+        """Close the directory (its files stay, for the next process); idempotent.
+
+        The store then keeps only what it holds in memory (buckets only on file are
+        forgotten) and writes no more files.
+        """
+        with self._lock:
+            files, self._files = self._files, None
+            if files is None:
+                return
+            files.close()
+            for digest, entry in list(self._entries.items()):
+                if entry.data is None:
+                    del self._entries[digest]
+
+    def __enter__(self) -> HeldBuckets:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     # --- what a subscriber tells its server -----------------------------------------
 
@@ -155,7 +188,7 @@ class HeldBuckets:
                 return True
             if not self._room(nbytes):
                 return False
-            wrote = self.directory is not None and self._write(digest, data)
+            wrote = self._files is not None and self._files.write(digest, data)
             if not wrote and not self.memory:
                 return False
             kept = (self._copy(data) if copy else data) if self.memory else None
@@ -173,8 +206,8 @@ class HeldBuckets:
             if entry is None:
                 return None
             data = entry.data
-            if entry.nbytes == used and data is None:
-                data = self._read(digest, used)
+            if entry.nbytes == used and data is None and self._files is not None:
+                data = self._files.read(digest, used)
             trusted = entry.checked and data is entry.data
             if data is not None and not trusted and bucket_digest(data) != digest:
                 log.warning("held bucket %s does not match its digest", digest.hex()[:16])
@@ -209,11 +242,9 @@ class HeldBuckets:
                     self._spare.setdefault(data.numel(), []).append(data)
                 kept = []
             self._versions = [None]
-            if self.directory is not None:
+            if self._files is not None:
                 try:
-                    for path in self.directory.iterdir():
-                        if _SAVED.fullmatch(path.name) or _PART.fullmatch(path.name):
-                            path.unlink(missing_ok=True)
+                    self._files.empty()
                 except OSError as exc:  # never fails a commit: logged, and files are checked
                     log.warning("could not empty %s: %s", self.directory, exc)
         return kept
@@ -247,63 +278,8 @@ class HeldBuckets:
 
     def _drop(self, digest: bytes) -> None:
         self._entries.pop(digest, None)
-        if self.directory is not None:
-            try:
-                (self.directory / digest.hex()).unlink(missing_ok=True)
-            except OSError as exc:
-                log.warning("could not remove bucket %s: %s", digest.hex()[:16], exc)
-
-    def _write(self, digest: bytes, data: torch.Tensor) -> bool:
-        assert self.directory is not None
-        final = self.directory / digest.hex()
-        partial = final.with_suffix(".part")
-        try:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                out.write(data.numpy().data)
-            os.replace(partial, final)
-        except OSError as exc:
-            log.warning("could not keep bucket %s: %s", digest.hex()[:16], exc)
-            partial.unlink(missing_ok=True)
-            return False
-        return True
-
-    def _read(self, digest: bytes, used: int) -> torch.Tensor | None:
-        """A saved bucket's bytes (a regular file of exactly ``used`` bytes), unchecked."""
-        assert self.directory is not None
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # never a link; a fifo never blocks
-        try:
-            with os.fdopen(os.open(self.directory / digest.hex(), flags), "rb") as saved:
-                info = os.fstat(saved.fileno())
-                if not stat.S_ISREG(info.st_mode) or info.st_size != used:
-                    return None
-                data = torch.empty(used, dtype=torch.uint8)
-                if saved.readinto(data.numpy().data) != used:
-                    return None
-        except OSError as exc:
-            log.warning("could not read bucket %s: %s", digest.hex()[:16], exc)
-            return None
-        return data
-
-    def _scan(self, directory: Path) -> None:
-        """Note the buckets an earlier process saved (checked when read); drop partial files."""
-        total = 0
-        for path in sorted(directory.iterdir()):
-            if _PART.fullmatch(path.name):
-                path.unlink(missing_ok=True)
-                continue
-            if not _SAVED.fullmatch(path.name):
-                continue  # not ours: never read, never removed
-            try:
-                info = os.stat(path, follow_symlinks=False)
-            except OSError:
-                continue
-            too_many = self.max_bytes is not None and total + info.st_size > self.max_bytes
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or too_many:
-                path.unlink(missing_ok=True)
-                continue
-            total += info.st_size
-            self._entries[bytes.fromhex(path.name)] = _Entry(None, info.st_size, None, False)
+        if self._files is not None:
+            self._files.remove(digest)
 
 
 # --- the engine's side: what a receiver does with a bucket named by digest ---------------
