@@ -6,9 +6,9 @@ memory now (``posix_fallocate``, after checking :func:`memory_free`) and seals i
 ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: from then on nobody, the creator included,
 can change its size. Asked to (``seal_writes``: a trainer's plane and the weight server do),
 it first maps it and adds ``F_SEAL_FUTURE_WRITE`` (Linux >= 5.1): from then on only that
-mapping can change its bytes. It keeps the descriptor open; the handle's name says where an
-engine finds it, ``aiosync-memfd-<pidns>-<pid>-<fd>-<token>``, that is
-``/proc/<pid>/fd/<fd>``.
+mapping can change its bytes (a kernel that refuses the seal is warned about, once). It
+keeps the descriptor open; the handle's name says where an engine finds it,
+``aiosync-memfd-<pidns>-<pid>-<fd>-<token>``, that is ``/proc/<pid>/fd/<fd>``.
 
 The engine (:func:`_open_memfd_segment`) refuses the name unless ``pidns`` is its own PID
 namespace, opens that path with ``O_PATH`` (which has no effect on whatever file it is: no
@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import logging
 import os
 import re
 import stat
@@ -56,6 +57,8 @@ from aiosync.planes.shm_files import (
     _shown,
 )
 from aiosync.private_dirs import pid_namespace
+
+log = logging.getLogger(__name__)
 
 MEMFD_PREFIX = "aiosync-memfd-"
 BACKEND_ENV = "AIOSYNC_SHM_BACKEND"
@@ -154,10 +157,10 @@ def _create_memfd(
 ) -> tuple[str, int, torch.Tensor]:
     """Make a sealed memfd of ``size`` bytes, mapped; returns its name, descriptor and view.
 
-    ``seal_writes``: also seal it with ``F_SEAL_FUTURE_WRITE`` (Linux >= 5.1; skipped
-    where the kernel refuses it) once it is mapped, so the returned view is the only way
-    left to change its bytes: no other descriptor or process can ``write``, punch holes or
-    map it writable. The caller keeps the descriptor open: the name points at it.
+    ``seal_writes``: also seal it with ``F_SEAL_FUTURE_WRITE`` (Linux >= 5.1; where the
+    kernel refuses it, skipped with a warning) once it is mapped, so the returned view is
+    the only way left to change its bytes: no other descriptor or process can ``write``,
+    punch holes or map it writable. The caller keeps the descriptor open: the name points at it.
     """
     free = memory_free()
     _check_free(size, free, "memory")
@@ -167,8 +170,8 @@ def _create_memfd(
         _reserve(fd, size, "memory", free)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         tensor = _map(fd, size)  # before the write seal, which refuses new writable maps
-        if seal_writes:
-            _seal_future_writes(fd)
+        if seal_writes and not _seal_future_writes(fd):
+            _warn_unsealed()
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
@@ -187,6 +190,15 @@ def _seal_future_writes(fd: int) -> bool:
             raise
         return False
     return True
+
+
+@functools.cache
+def _warn_unsealed() -> None:
+    log.warning(
+        "this kernel refuses F_SEAL_FUTURE_WRITE (Linux before 5.1): any process of this "
+        "user can open a memfd segment through /proc/<pid>/fd and change its bytes "
+        "(docs/security.md, shared memory)"
+    )
 
 
 # --------------------------------------------------------------------------------------

@@ -9,6 +9,12 @@ out of it. The segment lives as long as the module holds the returned
 :meth:`SharedTensors.close`: engines can open it only while it is open; the tensors stay
 valid after it is closed (their pages go with their last view).
 
+Once this process has mapped the memfd it is sealed with ``F_SEAL_FUTURE_WRITE`` (Linux
+>= 5.1; a warning where the kernel refuses it): that mapping, which the tensors view, is
+then the only way to change its bytes. Another process reaching it through
+``/proc/<pid>/fd`` can neither map it writable nor ``write`` to it, so it cannot change
+the weights engines read.
+
 :func:`find_shared` is how a sender finds which open segment (if any) holds a tensor.
 """
 
@@ -47,7 +53,9 @@ class SharedTensors:
     def __init__(self, size: int) -> None:
         from aiosync.planes.shm import ShmSegment
 
-        self._segment: ShmSegment | None = ShmSegment.create(size, backend="memfd")
+        self._segment: ShmSegment | None = ShmSegment.create(
+            size, backend="memfd", seal_writes=True
+        )
         self.size = size
         self.base = self._segment.tensor.data_ptr()
         self.names: list[str] = []
