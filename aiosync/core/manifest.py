@@ -9,6 +9,7 @@ is pure: no IO, no event loop.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Collection, ItemsView, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,16 +236,29 @@ class Expectations:
         return self.tensors.get(name if self.rename is None else self.rename(name))
 
     def check(self, meta: TensorMeta | Any) -> None:
-        """Raise :class:`MismatchError` unless one tensor (a manifest entry or spec) fits."""
+        """Raise :class:`MismatchError` unless one tensor (a manifest entry or spec) fits.
+
+        The error says what to do where it can: for an unknown name, the nearest names the
+        engine has and ``rename=``; for a floating dtype of the right shape, ``cast=True``.
+        """
         expected = self._expected(meta.name)
         if expected is None:
-            raise MismatchError("no such parameter or buffer in the model", tensor=meta.name)
+            raise self.unknown(meta.name, "parameter or buffer in the model")
         if not expected.takes(meta.dtype, tuple(meta.shape)):
-            raise MismatchError(
-                f"sent {meta.dtype}{list(meta.shape)}, model has "
-                f"{expected.dtype}{list(expected.shape)}",
-                tensor=meta.name,
-            )
+            raise dtype_error(meta, expected)
+
+    def unknown(self, sent: str, what: str) -> MismatchError:
+        """The error for a sent name the engine has no ``what`` of, with the nearest it has."""
+        looked_up = sent if self.rename is None else self.rename(sent)
+        renamed = "" if self.rename is None else f" (renamed to {looked_up!r})"
+        near = nearest_names(looked_up, self.tensors)
+        has = f"; nearest: {', '.join(map(repr, near))}" if near else ""
+        todo = "pass" if self.rename is None else "check"
+        return MismatchError(
+            f"no such {what}{renamed}{has} ({todo} rename= to map the sender's names to "
+            "the engine's)",
+            tensor=sent,
+        )
 
     def check_chunked(self, name: str) -> None:
         """Raise :class:`MismatchError` if ``name`` cannot be written in pieces."""
@@ -268,6 +282,45 @@ class Expectations:
         missing = self.missing(names)
         if missing:
             raise missing_error(missing)
+
+
+def dtype_error(meta: TensorMeta | Any, expected: Expected) -> MismatchError:
+    """The error for a tensor that does not fit; names ``cast=True`` where it would."""
+    shape = tuple(meta.shape)
+    castable = shape == expected.shape and is_float(meta.dtype) and is_float(expected.dtype)
+    hint = "; pass cast=True to the sink to convert it on arrival" if castable else ""
+    return MismatchError(
+        f"sent {meta.dtype}{list(shape)}, model has {expected.dtype}{list(expected.shape)}" + hint,
+        tensor=meta.name,
+    )
+
+
+NEAREST_CANDIDATES = 256
+"""Most names compared by similarity for one unknown name (each costs up to ~0.1 ms)."""
+
+
+def nearest_names(name: str, names: Collection[str], n: int = 3) -> list[str]:
+    """Up to ``n`` of ``names`` closest to ``name``, for an error message (best first).
+
+    A name that differs from ``name`` by a dotted prefix (``model.`` added or dropped: the
+    usual renaming) is nearest; otherwise :func:`difflib.get_close_matches` ranks at most
+    :data:`NEAREST_CANDIDATES` names (those ending in ``name``'s last component, where
+    any do), so that the error for a model of 100,000 tensors takes tens of milliseconds.
+    """
+    longer = "." + name
+    prefixed = [
+        c
+        for c in names
+        if c.endswith(longer) or (name.endswith(c) and name[-len(c) - 1 : -len(c)] == ".")
+    ]
+    if prefixed:
+        return sorted(prefixed, key=lambda c: abs(len(c) - len(name)))[:n]
+    candidates: Collection[str] = names
+    if len(names) > NEAREST_CANDIDATES:
+        last = name.rpartition(".")[2]
+        alike = [c for c in names if c.endswith("." + last) or c == last] if last else []
+        candidates = (alike or list(names))[:NEAREST_CANDIDATES]
+    return difflib.get_close_matches(name, candidates, n=n)
 
 
 def missing_error(missing: list[str]) -> MismatchError:

@@ -32,11 +32,8 @@ class RenamedExpectations(Expectations):
     def check(self, meta: TensorMeta | Any) -> None:
         """Raise :class:`MismatchError` unless one tensor fits (see :class:`Expectations`)."""
         assert self.rename is not None
-        renamed = self.rename(meta.name)
-        if renamed not in self.tensors:
-            raise MismatchError(
-                f"no such tensor in the engine (renamed to {renamed!r})", tensor=meta.name
-            )
+        if self.rename(meta.name) not in self.tensors:
+            raise self.unknown(meta.name, "tensor in the engine")
         super().check(meta)
 
     def check_manifest(self, manifest: Iterable[TensorMeta]) -> None:

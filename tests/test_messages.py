@@ -1,0 +1,82 @@
+"""Messages that say what to do (issue 25, item 8): each failure names its remedy.
+
+A floating dtype mismatch names ``cast=True``; an unknown name names the nearest names the
+engine has and ``rename=``; an endpoint without a scheme, or on ``inproc://``, is refused
+when the receiver or sender is made, saying what to write instead; the CLI names its own
+flags, not the Python API; a sink of an older shape is refused at the receiver's start,
+naming what it lacks; a group released on a clean close is not reported broken at exit;
+and a :class:`CollectiveSender` reaches engines living in the trainer's own process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from aiosync import (
+    CallbackSink,
+    MismatchError,
+    ModuleSink,
+    RejectedError,
+    SenderConfig,
+    WeightReceiver,
+    WeightSender,
+)
+from aiosync.core.layout import TensorSpec
+from aiosync.core.manifest import Expectations
+
+SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=30)
+only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
+
+
+async def refusal(sink: ModuleSink | CallbackSink, weights: dict[str, torch.Tensor]) -> str:
+    """What the engine answers a version of ``weights`` (it must refuse it)."""
+    async with (
+        WeightReceiver(sink) as receiver,
+        WeightSender(receiver.endpoint, config=SMALL) as sender,
+    ):
+        with pytest.raises(RejectedError) as info:
+            await sender.send(weights, version=0)
+        assert receiver.current_version is None
+    return str(info.value)
+
+
+# --- 1. a floating dtype mismatch names cast=True --------------------------------------------
+
+
+async def test_a_floating_dtype_mismatch_says_to_pass_cast() -> None:
+    engine = {"w": torch.zeros(4, 4), "steps": torch.zeros((), dtype=torch.int64)}
+    said = await refusal(ModuleSink(engine), {"w": torch.ones(4, 4, dtype=torch.bfloat16)})
+    assert "sent bfloat16[4, 4], model has float32[4, 4]" in said
+    assert "pass cast=True" in said
+    # no cast would make another shape, or an integer, fit: no such hint there
+    wrong_shape = await refusal(ModuleSink(engine), {"w": torch.ones(2, 8, dtype=torch.bfloat16)})
+    assert "cast=True" not in wrong_shape
+    to_int = await refusal(ModuleSink(engine), {"steps": torch.zeros((), dtype=torch.float32)})
+    assert "cast=True" not in to_int
+
+
+# --- 2. an unknown name names the nearest names and rename= ----------------------------------
+
+
+async def test_an_unknown_name_says_the_nearest_names_and_rename() -> None:
+    engine = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    prefixed = {f"model.{name}": t.detach().clone() for name, t in engine.state_dict().items()}
+    said = await refusal(ModuleSink(engine), prefixed)
+    assert "no such parameter or buffer in the model" in said
+    assert "nearest: '0.weight'" in said or "nearest: '0.bias'" in said
+    assert "pass rename=" in said
+
+
+def test_a_renamed_name_that_still_misses_says_what_it_became_and_the_nearest() -> None:
+    expected = {"layers.0.weight": (torch.float32, (2,)), "layers.1.weight": (torch.float32, (2,))}
+    sink = CallbackSink(lambda pairs: None, expected=expected, rename={"x": "y"})
+    found = sink.expectations()
+    assert isinstance(found, Expectations)
+    with pytest.raises(MismatchError) as info:
+        found.check(TensorSpec("layers.0.wieght", "float32", (2,), 0, 8))
+    text = str(info.value)
+    assert "renamed to 'layers.0.wieght'" in text
+    assert "nearest: 'layers.0.weight'" in text
+    assert "check rename=" in text
