@@ -20,9 +20,13 @@ from aiosync import (
     ModuleSink,
     RejectedError,
     SenderConfig,
+    UsageError,
     WeightReceiver,
     WeightSender,
 )
+from aiosync.channels.inproc import InprocListener
+from aiosync.channels.zmq import ZmqChannel, ZmqListener
+from aiosync.cli import main
 from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations
 
@@ -80,3 +84,99 @@ def test_a_renamed_name_that_still_misses_says_what_it_became_and_the_nearest() 
     assert "renamed to 'layers.0.wieght'" in text
     assert "nearest: 'layers.0.weight'" in text
     assert "check rename=" in text
+
+
+# --- 3. an endpoint without a scheme ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:5555", "127.0.0.1:5555"])
+def test_an_endpoint_without_a_scheme_says_which_schemes(endpoint: str) -> None:
+    remedy = f"tcp://{endpoint} or ipc://PATH"
+    with pytest.raises(UsageError, match="needs a scheme") as made:
+        WeightReceiver(ModuleSink({"w": torch.zeros(2)}), endpoint)
+    assert remedy in str(made.value)
+    with pytest.raises(UsageError, match="needs a scheme") as made:
+        WeightSender(endpoint)
+    assert remedy in str(made.value)
+    with pytest.raises(UsageError, match="needs a scheme"):
+        ZmqChannel.connect(endpoint)
+    with pytest.raises(UsageError, match="needs a scheme"):
+        ZmqListener(endpoint)
+
+
+# --- 4. the CLI names its flags ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "flags"),
+    [
+        (["trainer", "--endpoint", "tcp://10.1.2.3:5555"], ["--keypair", "--server-key"]),
+        (["engine", "--endpoint", "tcp://0.0.0.0:5555"], ["--keypair", "--allow"]),
+        (
+            ["engine", "--endpoint", "tcp://0.0.0.0:5555", "--insecure-loopback"],
+            ["not a loopback address", "--keypair", "--allow"],
+        ),
+        (["serve", "--publish", "tcp://10.1.2.3:0"], ["--publish", "--keypair", "--allow"]),
+        (["engine", "--endpoint", "inproc://engine"], ["--endpoint", "ipc://"]),
+    ],
+)
+def test_the_cli_names_its_key_flags_not_the_python_api(
+    argv: list[str], flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    for flag in flags:
+        assert flag in error, error
+    for api in ("ChannelAuth", "auth=", "insecure_loopback", "InprocListener"):
+        assert api not in error, error
+
+
+# --- 5. inproc:// is refused, with the in-process way named ----------------------------------
+
+
+async def test_inproc_is_refused_and_the_in_process_listener_works_instead() -> None:
+    engine = {"w": torch.zeros(8)}
+    with pytest.raises(UsageError, match="no sender can reach it") as made:
+        WeightReceiver(ModuleSink(engine), "inproc://engine")
+    assert "InprocListener" in str(made.value)
+    with pytest.raises(UsageError, match="no receiver can be reached"):
+        WeightSender("inproc://engine")
+    with pytest.raises(UsageError, match="no sender can reach it"):
+        ZmqListener("inproc://engine")
+    listener = InprocListener("engine")
+    async with (
+        WeightReceiver(ModuleSink(engine), listener) as receiver,
+        WeightSender(listener.connect(), config=SMALL) as sender,
+    ):
+        await sender.send({"w": torch.arange(8.0)}, version=0)
+        assert receiver.current_version == 0
+    assert torch.equal(engine["w"], torch.arange(8.0))
+
+
+# --- 6. a sink of an older shape is refused at start, naming what it lacks -------------------
+
+
+class OlderSink:
+    """A sink written before ``staged`` and ``expectations()`` were asked of every sink."""
+
+    device = torch.device("cpu")
+
+    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
+        """Take the bucket (never reached)."""
+
+    def commit(self, version: int) -> None:
+        """Nothing to make visible."""
+
+    def abort(self) -> None:
+        """Nothing to forget."""
+
+
+def test_a_sink_of_an_older_shape_is_refused_at_start_naming_what_it_lacks() -> None:
+    with pytest.raises(UsageError) as made:
+        WeightReceiver(OlderSink())  # type: ignore[arg-type]
+    text = str(made.value)
+    assert "OlderSink" in text
+    assert "staged, expectations()" in text
+    assert "apply_bucket()" not in text  # it has that

@@ -18,13 +18,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from aiosync.channels.endpoints import check_endpoint, is_loopback_endpoint
 from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq_common import (
     CLOSE_LINGER_MS,
     _wants_ipv6,
     _zmq_error,
     curve_keys,
-    is_loopback_endpoint,
     private_ipc_endpoint,
 )
 from aiosync.channels.zmq_listener import (
@@ -93,8 +93,11 @@ class ZmqChannel:
         """Connect a new DEALER socket, in a context of its own, to ``endpoint``.
 
         ``auth`` holds this side's keypair and the server's public key (CURVE), or allows
-        plain tcp on loopback; ``tcp://`` without either is an AiosyncError.
+        plain tcp on loopback; ``tcp://`` without either is an AiosyncError, and so is an
+        endpoint without a scheme or on ``inproc://`` (:func:`~aiosync.channels.endpoints.
+        check_endpoint`).
         """
+        check_endpoint(endpoint, binding=False)
         keys = curve_keys(endpoint, auth, binding=False)
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)

@@ -13,20 +13,18 @@ modules only.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import socket as pysocket
 from pathlib import Path
 
 import zmq
 
+from aiosync.channels.endpoints import is_loopback_endpoint, plain_refusal
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, ErrorMap, PeerGoneError
 from aiosync.private_dirs import make_private_dir
 
 log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under before the split
-
-_LOCAL_SCHEMES = ("ipc", "inproc")
 
 CLOSE_LINGER_MS = 250
 """How long closing a socket may still flush its queued messages (a last ack, a goodbye).
@@ -34,7 +32,6 @@ CLOSE_LINGER_MS = 250
 Bounded, so a close never hangs on a dead peer; zero would drop an engine's final commit
 ack when it exits right after committing.
 """
-_NETWORK_SCHEMES = ("tcp", "ws", "wss", "tipc", "vmci", "udp", "pgm", "epgm", "norm")
 
 
 def _zmq_error(endpoint: str) -> ErrorMap:
@@ -54,22 +51,6 @@ def _zmq_error(endpoint: str) -> ErrorMap:
 # --- who may use which endpoint --------------------------------------------------------------
 
 
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """True for ``tcp://`` on 127.0.0.0/8, ``::1`` or ``localhost``; anything unclear is not."""
-    if not endpoint.startswith("tcp://"):
-        return False
-    address = endpoint.removeprefix("tcp://").rpartition(";")[2]  # "source;destination"
-    host = address.rpartition(":")[0]
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # "*", interface names, host names: not provably loopback
-
-
 def _wants_ipv6(endpoint: str) -> bool:
     """True for a ``tcp://`` endpoint with a bracketed (IPv6) address, which zmq needs told."""
     return endpoint.startswith("tcp://") and "[" in endpoint
@@ -78,10 +59,11 @@ def _wants_ipv6(endpoint: str) -> bool:
 def curve_keys(endpoint: str, auth: ChannelAuth | None, *, binding: bool) -> ChannelAuth | None:
     """The keys ``endpoint`` is used with (None: plain), or AiosyncError if it may not be.
 
-    Keys given are always used, on any transport. Without keys: ``ipc://`` (and
-    ``inproc://``) are allowed; ``tcp://`` only on a loopback address and only with
-    ``insecure_loopback``; other network transports never. Unknown schemes are left to zmq,
-    which refuses them as bad addresses.
+    Keys given are always used, on any transport. Without keys: ``ipc://`` is allowed;
+    ``tcp://`` only on a loopback address and only with ``insecure_loopback``; other
+    network transports never (:func:`~aiosync.channels.endpoints.plain_refusal`). Unknown
+    schemes are left to zmq, which refuses them as bad addresses; no scheme at all, and
+    ``inproc://``, are refused before (:func:`~aiosync.channels.endpoints.check_endpoint`).
     """
     if auth is not None and auth.has_keys:
         role = "bind" if binding else "connect to"
@@ -90,14 +72,13 @@ def curve_keys(endpoint: str, auth: ChannelAuth | None, *, binding: bool) -> Cha
         except AiosyncError as exc:
             raise AiosyncError(f"cannot {role} {endpoint} with CURVE: {exc.reason}") from None
         return auth
-    scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""
-    if scheme in _LOCAL_SCHEMES or scheme not in _NETWORK_SCHEMES:
-        return None
     insecure = auth is not None and auth.insecure_loopback
-    if scheme == "tcp" and insecure and is_loopback_endpoint(endpoint):
-        log.warning("plain tcp on %s: any local user can connect (insecure_loopback)", endpoint)
+    refusal = plain_refusal(endpoint, insecure_loopback=insecure)
+    if refusal is None:
+        if insecure and is_loopback_endpoint(endpoint):
+            log.warning("plain tcp on %s: any local user can connect (insecure_loopback)", endpoint)
         return None
-    if scheme == "tcp" and insecure:
+    if refusal == "loopback":
         raise AiosyncError(
             f"{endpoint} is not a loopback address: insecure_loopback allows plain tcp only "
             "on 127.0.0.1, ::1 or localhost; use CURVE keys (aiosync keygen)"

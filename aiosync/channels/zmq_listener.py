@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
+from aiosync.channels.endpoints import check_endpoint
 from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.unix_listeners import refuse_double_bind
 from aiosync.channels.zmq_common import (
@@ -177,6 +178,7 @@ class ZmqListener:
         self._errors = _zmq_error(endpoint)
         self._closed = True  # until bound
         try:
+            check_endpoint(endpoint, binding=True)
             keys = curve_keys(endpoint, auth, binding=True)
             (refuse_double_bind if connecting else _refuse_live_ipc)(endpoint)
         except BaseException:

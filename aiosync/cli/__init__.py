@@ -24,6 +24,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from aiosync.cli.args import build_parser
+from aiosync.cli.channel_flags import check_channel_flags
 from aiosync.cli.checks import CommandError, resolve_device
 
 __all__ = ["main"]
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "device"):  # keygen has none
             args.device = resolve_device(args.device)
+        check_channel_flags(args)
     except CommandError as exc:
         parser.error(str(exc))
     _unwind_on_signals()

@@ -28,6 +28,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from aiosync.channels.base import Channel, Listener
+from aiosync.channels.endpoints import check_endpoint
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.engine_actions import (
     Action,
@@ -52,6 +53,7 @@ from aiosync.engine.held import HeldBuckets, held_or_parts
 from aiosync.engine.leases import LeaseGate
 from aiosync.engine.live_hook import OnLive
 from aiosync.engine.quick_apply import QuickApplies, views_at_once, worker_stream
+from aiosync.engine.sink_shape import check_sink
 from aiosync.engine.sinks import WeightSink, apply_parts
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
@@ -115,6 +117,9 @@ class WeightReceiver:
     ) -> None:
         if connect is not None and endpoint is not None:
             raise UsageError(f"bind {endpoint!r} or connect to {connect!r}, not both")
+        if isinstance(endpoint, str):
+            check_endpoint(endpoint, binding=True)
+        check_sink(sink)
         self._connect = connect
         self.sink, self.held = sink, held
         self._auth = auth

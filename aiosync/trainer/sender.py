@@ -31,6 +31,7 @@ import anyio.abc
 import torch
 
 from aiosync.channels.base import Channel
+from aiosync.channels.endpoints import check_endpoint
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError
 from aiosync.core.exception_groups import exit_as_one
@@ -91,6 +92,9 @@ class WeightSender:
         self.device = torch.device(device)
         many = isinstance(engines, Sequence) and not isinstance(engines, str)
         self._initial: list[Target] = list(engines) if many else [engines]  # type: ignore[arg-type,list-item]
+        for target in self._initial:
+            if isinstance(target, str):
+                check_endpoint(target, binding=False)
         self._capacity = calculate_aligned_size(self.config.buffer_bytes)
         self._links: dict[str, EngineLink] = {}
         self._owned: dict[str, Channel] = {}
