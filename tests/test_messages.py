@@ -10,6 +10,12 @@ and a :class:`CollectiveSender` reaches engines living in the trainer's own proc
 
 from __future__ import annotations
 
+import logging
+import threading
+import uuid
+import weakref
+from datetime import timedelta
+
 import pytest
 import torch
 from torch import nn
@@ -27,8 +33,20 @@ from aiosync import (
 from aiosync.channels.inproc import InprocListener
 from aiosync.channels.zmq import ZmqChannel, ZmqListener
 from aiosync.cli import main
+from aiosync.collectives import (
+    destroy_side_group,
+    host_store,
+    init_process_group,
+    new_token,
+    token_store,
+)
+from aiosync.collectives import executor as executor_module
+from aiosync.collectives.executor import GroupExecutor
 from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations
+from aiosync.planes.collective import CollectiveOptions
+from aiosync.trainer.collective import CollectiveSender
+from tests.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=30)
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
@@ -180,3 +198,105 @@ def test_a_sink_of_an_older_shape_is_refused_at_start_naming_what_it_lacks() -> 
     assert "OlderSink" in text
     assert "staged, expectations()" in text
     assert "apply_bucket()" not in text  # it has that
+
+
+# --- 7. a clean close is not a broken group at exit ------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> torch.distributed.ProcessGroup:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    hosted = host_store(timeout=timedelta(seconds=30))
+    group = init_process_group(
+        "gloo", store=token_store(hosted.store, new_token()), world_size=1, rank=0,
+        group_name=f"messages-{uuid.uuid4().hex}",
+    )  # fmt: skip
+    return group
+
+
+def _at_exit_alone(monkeypatch: pytest.MonkeyPatch, executor: GroupExecutor) -> None:
+    """Run the exit hook over ``executor`` only (not other tests' groups), without grace."""
+    monkeypatch.setattr(executor_module, "_running", weakref.WeakSet([executor]))
+    monkeypatch.setattr(executor_module, "EXIT_GRACE", 0.0)
+    executor_module._join_at_exit()
+
+
+def test_a_group_still_releasing_after_a_clean_close_is_not_called_broken_at_exit(
+    one_rank_group: torch.distributed.ProcessGroup,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    releasing, go_on = threading.Event(), threading.Event()
+    destroy = destroy_side_group
+
+    def slow_destroy(group: torch.distributed.ProcessGroup | None) -> None:
+        releasing.set()
+        go_on.wait(30)
+        destroy(group)
+
+    monkeypatch.setattr(executor_module, "destroy_side_group", slow_destroy)
+    executor = GroupExecutor("clean-close", group=one_rank_group, join_timeout=0.05)
+    executor.start()
+    executor.close(wait=False)  # as a plane's close does; the process exits meanwhile
+    assert releasing.wait(30)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="aiosync.collectives.executor"):
+            _at_exit_alone(monkeypatch, executor)
+    finally:
+        go_on.set()
+        executor._thread.join(30)
+    assert executor.broken is None
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, [r.getMessage() for r in loud]
+    assert any("release is still running at exit" in r.getMessage() for r in caplog.records)
+
+
+def test_a_collective_still_running_at_exit_is_still_a_warning(
+    one_rank_group: torch.distributed.ProcessGroup,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    running, go_on = threading.Event(), threading.Event()
+    executor = GroupExecutor("busy-at-exit", group=one_rank_group, join_timeout=0.05)
+    executor.start()
+
+    def blocked() -> None:
+        running.set()
+        go_on.wait(30)
+
+    executor.submit(blocked)
+    assert running.wait(30)
+    try:
+        with caplog.at_level(logging.WARNING, logger="aiosync.collectives.executor"):
+            _at_exit_alone(monkeypatch, executor)
+    finally:
+        go_on.set()
+        executor._thread.join(30)
+    assert executor.broken is not None
+    assert any("busy-at-exit broken" in r.getMessage() for r in caplog.records)
+
+
+# --- 8. a CollectiveSender reaches engines in the trainer's own process ----------------------
+
+
+@only_asyncio
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["packed", "per-tensor"])
+async def test_a_collective_sender_reaches_engines_in_its_own_process(
+    per_tensor: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    sent = mixed_weights(seed=3)
+    models = [zeros_like(sent), zeros_like(sent)]
+    options = CollectiveOptions(engines=2, per_tensor=per_tensor, timeout=30)
+    async with (
+        WeightReceiver(ModuleSink(models[0])) as first,
+        WeightReceiver(ModuleSink(models[1])) as second,
+        CollectiveSender(
+            [first.endpoint, second.endpoint], collective=options, config=SMALL
+        ) as sender,
+    ):
+        report = await sender.send(sent, version=0)
+        assert sorted(report.committed) == sorted([first.endpoint, second.endpoint])
+        assert first.current_version == second.current_version == 0
+    for model in models:
+        assert_same(model, sent)

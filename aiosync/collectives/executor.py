@@ -85,6 +85,7 @@ class GroupExecutor:
         self._started = False
         self._closed = False
         self._busy = False
+        self._releasing = False  # the thread's job is the group's release (a clean close)
         self._lock = threading.Lock()
         self._turn = threading.Lock()  # held while a job runs, here or in call_here
         self._pending = 0  # jobs queued or running on the thread (under _lock)
@@ -350,6 +351,7 @@ class GroupExecutor:
                 log.exception("group %s: abort failed", self.name)
 
     def _release_group(self) -> None:
+        self._releasing = True
         group, self.group = self.group, None
         if group is None:
             return
@@ -357,6 +359,8 @@ class GroupExecutor:
             destroy_side_group(group)
         except Exception as exc:
             log.info("group %s: destroy failed: %s", self.name, exc)
+        else:
+            log.debug("group %s released", self.name)
 
 
 _running: weakref.WeakSet[GroupExecutor] = weakref.WeakSet()
@@ -371,13 +375,16 @@ def _join_at_exit() -> None:
 
     A thread left inside torch's C++ code (a store connect, a Gloo wait) when the process
     tears down ends it with ``terminate called``; every such wait has a deadline, so this
-    waits at most each ``join_timeout`` plus :data:`EXIT_GRACE`. Groups still busy are
-    broken first, so an NCCL collective returns at once.
+    waits at most each ``join_timeout`` plus :data:`EXIT_GRACE`. Groups still busy with a
+    collective are broken first (a warning), so an NCCL collective returns at once; a
+    thread only releasing its group after a clean close is just waited for.
     """
     for executor in list(_running):
         if executor.alive:
-            if executor._busy:
+            if executor._busy and not executor._releasing:
                 executor.fail(SyncTimeoutError(f"group {executor.name}: the process exits"))
+            elif executor._busy:
+                log.debug("group %s: its release is still running at exit", executor.name)
             executor.close(wait=False)
     for executor in list(_running):
         executor._thread.join(executor.join_timeout + EXIT_GRACE)

@@ -38,11 +38,11 @@ from aiosync.collectives import (
     init_process_group,
     token_store,
 )
+from aiosync.collectives.alias_store import AliasStore, rank_alias
 from aiosync.collectives.rendezvous import is_token, valid_host
 from aiosync.core.errors import AiosyncError
 from aiosync.core.manifest import Expectations
 from aiosync.engine.sinks import WeightSink
-from aiosync.handles.alias_store import AliasStore, rank_alias
 from aiosync.handles.colocated import ColocatedUpdates, error_text, version_number
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
 from aiosync.handles.release import release

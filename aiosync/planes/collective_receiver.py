@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 
 from aiosync.collectives import ops
+from aiosync.collectives.alias_store import AliasStore, rank_alias
 from aiosync.collectives.executor import Deadline, GroupExecutor, collective_error
 from aiosync.collectives.ordered import OrderedBroadcasts
 from aiosync.collectives.process_group import init_process_group
@@ -131,9 +132,11 @@ class CollectiveReceiverPlane:
         if not 0 < rank < spec.world_size:
             raise ProtocolError(f"group {spec.group} is full ({spec.world_size - 1} engine ranks)")
         self.rank = rank
+        # torch names a group once per process: the trainer (rank 0) may live in this one
+        alias = rank_alias(spec.group, rank)
         self._executor.group = init_process_group(
-            spec.backend, store=store, world_size=spec.world_size, rank=rank,
-            group_name=spec.group, timeout=wait,
+            spec.backend, store=AliasStore(store, alias, spec.group), world_size=spec.world_size,
+            rank=rank, group_name=alias, timeout=wait,
         )  # fmt: skip
         ops.connect(self._executor.group, self._device, Deadline.after(self._timeout))
         log.info("joined group %s as rank %d of %d", spec.group, rank, spec.world_size)
