@@ -122,7 +122,7 @@ def test_link_begin_before_ready_is_refused() -> None:
 @pytest.mark.parametrize("version", [5, 4, -1])
 def test_link_begin_of_a_version_not_newer_is_refused(version: int) -> None:
     session = link(5)
-    with pytest.raises(ProtocolError, match="not newer") as info:
+    with pytest.raises(RejectedError, match="not newer") as info:  # not a broken session
         session.begin(version)
     assert info.value.version == version
     assert session.version is None
@@ -206,7 +206,7 @@ def test_link_commit_moves_the_remote_version_and_failure_keeps_it() -> None:
     session.begin(2)
     session.committed()
     assert (session.remote_version, session.version) == (2, None)
-    with pytest.raises(ProtocolError, match="not newer"):
+    with pytest.raises(RejectedError, match="holds this version already"):
         session.begin(2)
 
 
@@ -307,8 +307,8 @@ class Sender:
         for name, session in self.links.items():
             try:
                 session.begin(self.version)
-            except ProtocolError as exc:  # the engine said at hello it has this version
-                self._fail(name, exc, broken=True)
+            except RejectedError as exc:  # the engine said at hello it has this version
+                self._fail(name, exc, broken=False)  # a refusal: the session stays
                 continue
             self._request(name, Begin(self.version, self.manifest), 0)
         self._advance()

@@ -176,9 +176,12 @@ async def test_default_version_follows_the_receivers_current_one() -> None:
         async with WeightSender(receiver.endpoint, config=SMALL) as sender:
             assert sender.remote_version == 1
             assert (await sender.send(weights.items())).version == 2
-            with pytest.raises(ProtocolError, match="not newer"):
-                await sender.send(weights.items(), version=2)
-        assert receiver.current_version == 2
+            retry = await sender.send(weights.items(), version=2)  # held already: none sent
+            assert (retry.current, retry.committed, retry.buckets) == ([sender.peer], [], 0)
+            with pytest.raises(RejectedError, match="not newer"):
+                await sender.send(weights.items(), version=1)
+            assert (await sender.send(weights.items())).version == 3  # still in the fleet
+        assert receiver.current_version == 3
 
 
 async def test_two_sends_at_once_on_one_sender_are_a_usage_error() -> None:

@@ -22,7 +22,7 @@ import aiosync.core.manifest as manifest
 import aiosync.core.wire as wire
 from aiosync.core.engine_actions import OpenPlane, Reply
 from aiosync.core.engine_session import EngineSession
-from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.errors import AiosyncError, ProtocolError, RejectedError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import LinkSession
@@ -813,8 +813,8 @@ def test_follow_opens_a_version_the_engine_will_refuse_and_begin_does_not() -> N
     with pytest.raises(ProtocolError, match="before the session is ready"):
         link.follow(3)
     link.ready(Ready("session-1", PROTOCOL_MAX, 5))
-    with pytest.raises(ProtocolError, match="not newer than the engine's 5"):
-        link.begin(3)
+    with pytest.raises(RejectedError, match="not newer than the engine's 5"):
+        link.begin(3)  # a refusal, not a broken session: the engine stays in the fleet
     link.sent(0)
     link.follow(3)  # a collective plane's engine joins the broadcasts of a version it refuses
     assert (link.version, link.in_flight, link.remote_version) == (3, 0, 5)

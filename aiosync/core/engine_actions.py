@@ -67,10 +67,15 @@ class Discard:
 
 @dataclass(frozen=True)
 class CommitSink:
-    """Make ``version`` visible in the sink; report with ``commit_done``/``commit_failed``."""
+    """Make ``version`` visible in the sink; report with ``commit_done``/``commit_failed``.
+
+    ``deadline`` (wall clock, ``time.time()``; None: none): the sender's, past which
+    nothing may be made live (nor acknowledged as staged).
+    """
 
     peer: Peer
     version: int
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)

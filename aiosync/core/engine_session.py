@@ -10,8 +10,8 @@ and friends. The same machine therefore runs under tests with no process at all.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
 
 from aiosync.core.engine_actions import (
     Action,
@@ -26,10 +26,14 @@ from aiosync.core.engine_actions import (
     Reply,
     SyncFailure,
 )
+from aiosync.core.engine_peers import Phase as Phase
+from aiosync.core.engine_peers import SenderSession as _Session
 from aiosync.core.errors import AiosyncError, ProtocolError
+from aiosync.core.hello import plane_problem, stated_timeout
 from aiosync.core.limits import Limits, shorten
 from aiosync.core.manifest import Expectations
-from aiosync.core.stream_state import StreamMemory, StreamState, light, open_stream
+from aiosync.core.stream_state import StreamMemory, light, open_stream
+from aiosync.core.versions import check_version, past_deadline
 from aiosync.core.wire import (
     GOODBYE_SEQ,
     PROTOCOL_MAX,
@@ -49,35 +53,16 @@ from aiosync.core.wire import (
 )
 
 
-class Phase(enum.Enum):
-    """Where one sender's session stands."""
-
-    OPENING = "opening"
-    IDLE = "idle"
-    STREAMING = "streaming"
-    PREPARED = "prepared"
-    COMMITTING = "committing"
-
-
-@dataclass
-class _Session:
-    name: str
-    session: str
-    sizes: list[int]
-    protocol: int
-    seen: float
-    progress: float
-    phase: Phase = Phase.OPENING
-    stream: StreamState | None = None
-    failed_version: int | None = None
-
-
 class EngineSession:
     """All of an engine's protocol state; every method returns the actions to carry out.
 
     ``expectations`` (None: accept any tensor, require none) is what the sink takes;
     ``staged`` says whether a broken stream leaves the visible weights untouched; ``limits``
-    bound what any one peer may make the engine hold, check or remember.
+    bound what any one peer may make the engine hold, check or remember. ``swap_timeout``
+    and ``ack_at`` are stated to senders in the ``ready`` (how long a commit may wait for
+    read leases, and whether it is answered once live or once staged; None: not stated,
+    a machine with no receiver's config behind it); ``clock`` is the
+    wall clock commits' deadlines are read on (``time.time``).
     """
 
     def __init__(
@@ -88,13 +73,20 @@ class EngineSession:
         stream_timeout: float,
         session_timeout: float,
         limits: Limits | None = None,
+        swap_timeout: float | None = None,
+        ack_at: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.limits = limits or Limits()
+        self.swap_timeout = swap_timeout
+        self.ack_at = ack_at
+        self.clock = clock
         self.expectations = expectations
         self.staged = staged
         self.stream_timeout = stream_timeout
         self.session_timeout = session_timeout
         self.current_version: int | None = None
+        self.version_set_by: str | None = None  # the session that committed it
         self.servable = True
         self.failures: list[SyncFailure] = []  # the last ``max_failures``
         self.protocol_errors = 0
@@ -168,7 +160,9 @@ class EngineSession:
         actions = self._drop(peer, "sender reconnected") if peer in self.sessions else []
         low, high = max(PROTOCOL_MIN, hello.protocol_min), min(PROTOCOL_MAX, hello.protocol_max)
         sizes = hello.plane.sizes
-        problem = self._plane_problem(peer, sizes)
+        problem = plane_problem(
+            sizes, self.limits, sessions_open=len(self.sessions), reconnecting=peer in self.sessions
+        )
         if low > high:
             problem = (
                 f"protocol versions {hello.protocol_min}-{hello.protocol_max} not supported: "
@@ -179,25 +173,23 @@ class EngineSession:
             return [*actions, Reply(peer, Abort(problem))]
         name = f"{shorten(hello.sender, 64)}@{peer}"
         session = shorten(hello.session, self.limits.max_name_length)
-        self.sessions[peer] = _Session(name, session, sizes, high, now, now)
+        timeout = stated_timeout(hello.timeout)
+        self.sessions[peer] = _Session(name, session, sizes, high, now, now, timeout=timeout)
         return [*actions, OpenPlane(peer, hello.plane)]
-
-    def _plane_problem(self, peer: Peer, sizes: list[int]) -> str | None:
-        limits = self.limits
-        if not sizes or len(sizes) > limits.max_buffers or min(sizes) <= 0:
-            return f"session refused: {len(sizes)} buffers (1-{limits.max_buffers}, positive)"
-        if sum(sizes) > limits.max_session_bytes:
-            most = limits.max_session_bytes
-            return f"session refused: {sum(sizes)} bytes of buffers (at most {most})"
-        if peer not in self.sessions and len(self.sessions) >= limits.max_sessions:
-            return f"session refused: {limits.max_sessions} sessions are open"
-        return None
 
     def plane_opened(self, peer: Peer) -> list[Action]:
         """The IO layer opened ``peer``'s plane: the session is ready."""
         session = self.sessions[peer]
         session.phase = Phase.IDLE
-        ready = Ready(session.session, session.protocol, self.current_version, self.limits)
+        waits = self.swap_timeout if self.staged else None  # in place: never a lease to wait for
+        ready = Ready(
+            session.session,
+            session.protocol,
+            self.current_version,
+            self.limits,
+            swap_timeout=waits,
+            ack_at=self.ack_at,
+        )
         return [Reply(peer, ready)]
 
     def plane_failed(self, peer: Peer, reason: str) -> list[Action]:
@@ -218,7 +210,13 @@ class EngineSession:
             error = f"{other} is streaming; try again later"
             return [Reply(peer, Ack(version, 0, False, error=error, busy=True))]
         try:
-            self._check_version(version, begin.rebase)
+            check_version(
+                version,
+                self.current_version,
+                rebase=begin.rebase,
+                limits=self.limits,
+                set_by=self.version_set_by,
+            )
             stream = open_stream(begin, self.expectations, self.limits, self.memory)
         except AiosyncError as exc:
             self._record(session, version, exc.reason)
@@ -296,8 +294,11 @@ class EngineSession:
         if session.phase is not Phase.PREPARED or commit.seq != stream.next_seq:
             return self._protocol_error(peer, f"commit of version {commit.version} not prepared")
         stream.next_seq += 1
+        late = past_deadline(commit.deadline, self.clock())
+        if late is not None:
+            return self._refuse(peer, session, commit.seq, AiosyncError(late))
         session.phase = Phase.COMMITTING
-        return [CommitSink(peer, commit.version)]
+        return [CommitSink(peer, commit.version, commit.deadline)]
 
     def commit_done(self, peer: Peer, version: int, now: float) -> list[Action]:
         """The sink made ``version`` visible: it is current."""
@@ -305,6 +306,8 @@ class EngineSession:
         self.servable = True
         self.owner = None
         session = self.sessions.get(peer)
+        if session is not None:
+            self.version_set_by = f"{session.name}, session {session.session}"
         actions: list[Action] = [Committed(version)]
         if session is not None and session.stream is not None:
             seq = session.stream.next_seq - 1
@@ -357,19 +360,6 @@ class EngineSession:
         return actions
 
     # --- shared steps -----------------------------------------------------------------
-
-    def _check_version(self, version: int, rebase: bool) -> None:
-        """Versions grow, by at most ``max_version_step``, unless a rebase is allowed."""
-        current, limits = self.current_version, self.limits
-        if rebase:
-            if not limits.allow_rebase:
-                raise ProtocolError("this engine does not allow restarting the version numbering")
-            return
-        if current is not None and version <= current:
-            raise ProtocolError(f"version {version} is not newer than current {current}")
-        if current is not None and version - current > limits.max_version_step:
-            step = limits.max_version_step
-            raise ProtocolError(f"version {version} jumps more than {step} past {current}")
 
     def _no_stream(self, session: _Session, version: int, seq: int) -> Ack:
         """The answer to a message of a stream that failed or never opened (nothing applied)."""

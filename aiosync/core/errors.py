@@ -60,6 +60,15 @@ class SyncTimeoutError(AiosyncError, TimeoutError):
     """A step waited longer than its configured timeout (the peer may be gone or stuck)."""
 
 
+class InDoubtError(SyncTimeoutError):
+    """An engine went silent with a commit sent to it: it may have made the version live.
+
+    An engine makes nothing live past the commit's deadline, so it holds the version only
+    if it took the commit before then; its version shows when it is contacted again (the
+    ``ready`` of a new session: ``WeightSender.remote_versions`` after ``add_engine``).
+    """
+
+
 class PeerGoneError(AiosyncError):
     """The peer disconnected or announced it is closing while work was outstanding."""
 

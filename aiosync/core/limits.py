@@ -33,8 +33,12 @@ class Limits(msgspec.Struct, frozen=True):
     """Characters in a tensor name, a sender name or any peer-chosen string kept."""
     max_failures: int = 1000
     """Failed streams remembered (the oldest are forgotten)."""
-    max_version_step: int = 1 << 32
-    """How far a version may jump past the current one (the first version may be any)."""
+    max_version_step: int = 1024
+    """How far a version may jump past the current one (the first version may be any).
+
+    Small, so that a peer allowed to send versions cannot wedge the numbering far ahead of
+    the trainer's in one step (it can still move it ahead by this much per version).
+    """
     allow_rebase: bool = False
     """Whether a sender may restart the numbering (``begin`` with ``rebase``)."""
 

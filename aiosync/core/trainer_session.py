@@ -2,9 +2,10 @@
 
 :class:`LinkSession` is what a sender knows of one engine: the negotiated protocol, the
 engine's committed version and which of its messages still await an ack (acks come back in
-order, so a mismatch means the two sides disagree). :class:`FleetVote` decides a version's
-fate across engines under a :class:`Policy`: two-phase, every required engine first
-prepares, then all commit. Nothing here does IO.
+order, so a mismatch means the two sides disagree), including a commit whose answer never
+came (the version is then in doubt until that answer arrives). :class:`FleetVote` decides a
+version's fate across engines under a :class:`Policy`: two-phase, every required engine
+first prepares, then all commit. Nothing here does IO.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
-from aiosync.core.errors import AiosyncError, FleetError, PeerGoneError, ProtocolError
+from aiosync.core.errors import (
+    AiosyncError,
+    FleetError,
+    PeerGoneError,
+    ProtocolError,
+    RejectedError,
+)
 from aiosync.core.limits import Limits
 from aiosync.core.wire import PROTOCOL_MAX, PROTOCOL_MIN, Ack, Hello, PlaneSpec, Ready
 
@@ -29,7 +36,9 @@ class LinkSession:
         self.limits = Limits()  # the engine's, from its ready
         self.version: int | None = None  # the stream open now, if any
         self._pending: deque[int] = deque()
-        self._leftovers = 0  # acks still due for messages of streams that failed
+        self._commit: int | None = None  # the seq of the open stream's commit, once sent
+        self._leftovers: deque[tuple[int | None, int]] = deque()  # due for failed streams
+        self.doubt: tuple[int, int] | None = None  # (version, seq): a commit never answered
 
     def hello(self, sender: str, plane: PlaneSpec) -> Hello:
         """The session's opening message."""
@@ -49,12 +58,17 @@ class LinkSession:
         self.remote_version = ready.version
         self.limits = ready.limits
 
-    def begin(self, version: int) -> None:
-        """Open the stream of ``version``; it must be newer than the engine's."""
+    def begin(self, version: int, *, rebase: bool = False) -> None:
+        """Open the stream of ``version``; it must be newer than the engine's (but to rebase).
+
+        An older or equal one is refused (:class:`RejectedError`, the session stays usable).
+        """
         self._require_ready()
-        if self.remote_version is not None and version <= self.remote_version:
-            raise ProtocolError(
-                f"version {version} is not newer than the engine's {self.remote_version}",
+        remote = self.remote_version
+        if not rebase and remote is not None and version <= remote:
+            held = " (it holds this version already)" if version == remote else ""
+            raise RejectedError(
+                f"version {version} is not newer than the engine's {remote}{held}",
                 peer=self.peer,
                 version=version,
             )
@@ -76,10 +90,21 @@ class LinkSession:
     def _open(self, version: int) -> None:
         self.version = version
         self._pending.clear()
+        self._commit = None
 
     def sent(self, seq: int) -> None:
         """A message ``seq`` of the open stream went out and awaits its ack."""
         self._pending.append(seq)
+
+    def sent_commit(self, seq: int) -> None:
+        """The open stream's commit, message ``seq``, went out and awaits its ack."""
+        self.sent(seq)
+        self._commit = seq
+
+    @property
+    def commit_pending(self) -> bool:
+        """Whether the open stream's commit went out and its answer has not come."""
+        return self._commit is not None and self._commit in self._pending
 
     @property
     def in_flight(self) -> int:
@@ -94,7 +119,11 @@ class LinkSession:
         the failed stream's version number.
         """
         if self._leftovers:
-            self._leftovers -= 1
+            due = self._leftovers.popleft()
+            if due == self.doubt and ack.seq == due[1]:  # the answer to a commit in doubt
+                self.doubt = None
+                if ack.ok and ack.version == due[0]:
+                    self.remote_version = due[0]
             return None
         if not self._pending or ack.seq != self._pending[0] or ack.version != self.version:
             expected = self._pending[0] if self._pending else None
@@ -110,11 +139,19 @@ class LinkSession:
         """The engine acknowledged the commit: the version is its current one."""
         self.remote_version = self.version
         self.version = None
+        self._commit = None
 
     def failed(self) -> None:
-        """The stream broke; the acks still on their way will be skipped."""
+        """The stream broke; the acks still on their way will be skipped.
+
+        A commit among them leaves its version in doubt (:attr:`doubt`) until its answer
+        comes: an ok one makes it the engine's version.
+        """
+        if self.commit_pending and self.version is not None and self._commit is not None:
+            self.doubt = (self.version, self._commit)
+        self._leftovers.extend((self.version, seq) for seq in self._pending)
         self.version = None
-        self._leftovers += len(self._pending)
+        self._commit = None
         self._pending.clear()
 
 
@@ -146,6 +183,14 @@ class FleetVote:
         self.prepared: list[str] = []
         self.failed: dict[str, AiosyncError] = {}
         self.lost: dict[str, AiosyncError] = {}  # failed after preparing, once commit was due
+        self.current: list[str] = []  # held the version already: nothing to send them
+
+    def hold(self, engine: str) -> None:
+        """``engine`` holds the version already (a retry): it takes no part in the stream."""
+        if engine not in self.failed and engine not in self.current:
+            self.current.append(engine)
+            if engine in self.prepared:
+                self.prepared.remove(engine)
 
     def fail(self, engine: str, error: AiosyncError) -> None:
         """``engine`` failed before it prepared (the first error per engine is kept)."""
@@ -163,13 +208,14 @@ class FleetVote:
 
     @property
     def live(self) -> list[str]:
-        """Engines still in the stream (neither failed nor, for the vote, out)."""
-        return [e for e in self.engines if e not in self.failed]
+        """Engines still in the stream (neither failed nor holding the version already)."""
+        return [e for e in self.engines if e not in self.failed and e not in self.current]
 
     @property
     def hopeless(self) -> bool:
         """True once no outcome but abort is possible (stop streaming at once)."""
-        return (bool(self.failed) and self.policy is Policy.ALL) or not self.live
+        out = not self.live and not self.current
+        return (bool(self.failed) and self.policy is Policy.ALL) or out
 
     def failure(self, version: int) -> AiosyncError:
         """The error to raise for a version no engine committed: each failed engine's own."""
@@ -184,17 +230,24 @@ class FleetVote:
         """Commit once every required engine prepared; abort once that cannot happen."""
         if self.hopeless:
             return Verdict.ABORT
-        if all(e in self.prepared or e in self.failed for e in self.engines):
+        done = (*self.prepared, *self.failed, *self.current)
+        if all(e in done for e in self.engines):
             return Verdict.COMMIT
         return Verdict.PENDING
 
 
 @dataclass(frozen=True)
 class EngineOutcome:
-    """How one engine ended one version: its status, version now, seconds and error."""
+    """How one engine ended one version: its status, version now, seconds and error.
+
+    ``status``: ``"committed"``; ``"current"`` (it held the version already, nothing was
+    sent); ``"failed"``, ``"aborted"`` or ``"lost after prepare"`` (it did not commit it);
+    ``"in doubt"`` (it went silent with the commit sent: it may hold the version, which its
+    next contact says; it makes nothing live past the commit's deadline).
+    """
 
     engine: str
-    status: str  # "committed", "failed", "aborted" or "lost after prepare"
+    status: str
     version: int | None
     seconds: float | None = None
     error: str | None = None

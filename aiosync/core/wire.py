@@ -11,7 +11,7 @@ One version, as seen by one engine::
     Bucket(version, seq 1..n)          ->  Ack(seq: applied | refused)
         (protocol 3: bucket 1 may ride in the begin, ``Begin.first``; the same two acks)
     Complete(version, seq n+1)         ->  Ack(prepared: whole and checked | refused)
-    Commit(version, seq n+2)           ->  Ack(committed)
+    Commit(version, seq n+2, deadline) ->  Ack(committed | refused: past the deadline)
 
 Sequence numbers count within a version, so every engine of a fleet gets the same bytes.
 """
@@ -26,10 +26,14 @@ from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 4
+PROTOCOL_MAX = 5
 """The range of protocol versions this build speaks (bumped when a message changes shape).
 
 3: ``Begin.first`` (bucket 1 in the begin's message), sent only to engines that chose 3.
+4: ``Bucket.after`` (a bucket sent ahead of its packing), sent only to engines that chose 4.
+5: ``Commit.deadline``, which an engine of 5 enforces, and ``Ready.swap_timeout`` and
+``Ready.ack_at`` (the engine's bounds; a sender whose timeout does not cover them is
+warned), and ``Hello.timeout`` (the sender's).
 """
 
 
@@ -190,14 +194,19 @@ PlaneSpec = (
 """How an engine reaches the bytes of buckets; new planes add a tagged member here."""
 
 
-class Hello(msgspec.Struct, frozen=True, tag="hello"):
-    """Sender -> engine: opens a session, states the protocol range and the data plane."""
+class Hello(msgspec.Struct, frozen=True, tag="hello", omit_defaults=True):
+    """Sender -> engine: opens a session, states the protocol range and the data plane.
+
+    ``timeout`` (protocol 5; None: not stated): the longest the sender waits for an answer,
+    which an engine names when it refuses a commit its leases held past the deadline.
+    """
 
     protocol_min: int
     protocol_max: int
     session: str
     sender: str
     plane: PlaneSpec
+    timeout: float | None = None
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
@@ -206,6 +215,10 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     ``limits`` are the engine's bounds, which the sender plans its buckets to fit.
     ``events``: for a CUDA plane, the engine's IPC event per buffer, recorded once a
     bucket's copies are queued (the trainer's stream waits on it before reusing the buffer).
+    ``swap_timeout`` (protocol 5; None: the engine never waits to make a version live, as
+    with an in-place sink): the longest a commit may wait for read leases before the
+    engine answers it; ``ack_at``: ``"live"`` or ``"staged"``, when that answer goes (None:
+    not stated, an engine before protocol 5).
     """
 
     session: str
@@ -213,6 +226,8 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     version: int | None
     limits: Limits = Limits()
     events: list[bytes] = []
+    swap_timeout: float | None = None
+    ack_at: str | None = None
 
 
 class Begin(msgspec.Struct, frozen=True, tag="begin"):
@@ -281,11 +296,19 @@ class Complete(msgspec.Struct, frozen=True, tag="complete"):
     tensors: int
 
 
-class Commit(msgspec.Struct, frozen=True, tag="commit"):
-    """Sender -> engine: every required engine prepared ``version``; make it current."""
+class Commit(msgspec.Struct, frozen=True, tag="commit", omit_defaults=True):
+    """Sender -> engine: every required engine prepared ``version``; make it current.
+
+    ``deadline`` (protocol 5): when the sender stops waiting for the answer, in seconds
+    since the epoch (``time.time()``, a clock both ends share: one host for ``ipc://``,
+    synchronised hosts for ``tcp://``). An engine refuses to make the version live past
+    it, so a sender that gave up never leaves an engine that commits later (None: no
+    deadline, an older sender).
+    """
 
     version: int
     seq: int
+    deadline: float | None = None
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

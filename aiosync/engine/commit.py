@@ -27,6 +27,7 @@ import anyio
 from aiosync.core.engine_actions import Action, CommitSink, Peer, Reply
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, SyncTimeoutError
+from aiosync.core.versions import past_deadline
 from aiosync.core.wire import Ack, Message
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.leases import LeaseGate
@@ -97,9 +98,13 @@ class Swapper:
         early = self.config.ack_at == "staged" and self.sink.staged
         if early:
             early = await self._ack_now(machine, action, reply)
+        wait = self.config.swap_timeout if early else self._wait(machine, action)
         try:
-            async with self.leases.exclusive(self.config.swap_timeout):
+            async with self.leases.exclusive(wait):
                 waited = time.perf_counter() - started
+                late = None if early else past_deadline(action.deadline, machine.clock())
+                if late is not None:  # the sender gave up while leases were held
+                    raise SyncTimeoutError(late, version=action.version)
                 try:
                     await self._swap(action.version)
                 except Exception as exc:
@@ -116,7 +121,8 @@ class Swapper:
                         self.stats.committed += 1
         except SyncTimeoutError as exc:  # readers held on: nothing was touched
             waited = time.perf_counter() - started
-            actions = machine.commit_failed(action.peer, action.version, exc, touched=False)
+            error = exc if wait >= self.config.swap_timeout else self._cut(machine, action, exc)
+            actions = machine.commit_failed(action.peer, action.version, error, touched=False)
             self.stats.dropped += 1
         self.stats.last_wait = waited
         self.stats.longest_wait = max(self.stats.longest_wait, waited)
@@ -144,6 +150,26 @@ class Swapper:
         else:
             self.stats.on_live_error = None
         self.stats.last_on_live = time.perf_counter() - started
+
+    def _wait(self, machine: EngineSession, action: CommitSink) -> float:
+        """How long a swap may wait for leases: ``swap_timeout``, or to the sender's deadline."""
+        if action.deadline is None:
+            return self.config.swap_timeout
+        return max(0.0, min(self.config.swap_timeout, action.deadline - machine.clock()))
+
+    def _cut(
+        self, machine: EngineSession, action: CommitSink, exc: SyncTimeoutError
+    ) -> SyncTimeoutError:
+        """``exc`` of a wait the sender's deadline cut short, naming both sides' bounds."""
+        session = machine.sessions.get(action.peer)
+        said = session.timeout if session is not None else None
+        waits = f"it waits {said:g}s" if said is not None else "its timeout"
+        swap = self.config.swap_timeout
+        return SyncTimeoutError(
+            f"{exc.reason} (the sender's deadline came first: {waits}, under this engine's "
+            f"swap_timeout of {swap:g}s)",
+            version=action.version,
+        )
 
     async def _swap(self, version: int) -> None:
         """The sink's commit: on the loop when no byte moves, else in a worker thread."""

@@ -250,6 +250,8 @@ class WeightReceiver:
             stream_timeout=self.config.stream_timeout,
             session_timeout=self.config.session_timeout,
             limits=self.config.limits,
+            swap_timeout=self.config.swap_timeout,
+            ack_at=self.config.ack_at,
         )
         if isinstance(self._endpoint, str | None):
             from aiosync.channels.zmq import ZmqListener

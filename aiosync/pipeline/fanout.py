@@ -118,8 +118,10 @@ class BucketFanout:
         tail: Callable[[EngineLink], Awaitable[None]] | None = None,
         begun: bool = False,
         sent_first: bytes | None = None,
+        rebase: bool = False,
     ) -> None:
         self.links = links
+        self._rebase = rebase  # the version restarts the numbering (the engines allow it)
         self._begun = begun  # the begin went out already, each link's stream open
         self._sent_first = sent_first  # and bucket 1's message, to be confirmed as read
         self._tail = tail  # sent on each link after its last bucket, once all are packed
@@ -387,7 +389,7 @@ class BucketFanout:
         each bucket's broadcast.
         """
         try:
-            link.session.begin(self.version)
+            link.session.begin(self.version, rebase=self._rebase)
         except AiosyncError as exc:
             if not self._follow:
                 raise

@@ -2,12 +2,19 @@
 
 Every wait here has the link's timeout; every reply is decoded and matched by the
 :class:`~aiosync.core.trainer_session.LinkSession`, so acks of a stream that already failed
-are skipped and anything out of order is a :class:`ProtocolError` naming the engine.
+are skipped and anything out of order is a :class:`ProtocolError` naming the engine. Once a
+commit went out, the link waits at least its timeout from then for every answer still due
+(the engine refuses that commit past its deadline, a little earlier: see
+:meth:`EngineLink.commit_deadline`), so the engine never decides after the sender gave up.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import anyio
+import msgspec
 
 from aiosync.channels.base import Channel
 from aiosync.core.errors import (
@@ -18,8 +25,16 @@ from aiosync.core.errors import (
     RejectedError,
     SyncTimeoutError,
 )
+from aiosync.core.hello import uncovered
 from aiosync.core.trainer_session import LinkSession
 from aiosync.core.wire import Abort, Ack, Hello, Message, Ready, decode, encode
+
+log = logging.getLogger(__name__)
+
+COMMIT_GRACE = 1.0
+"""Seconds (at most a quarter of the timeout) between a commit's deadline and the end of
+the sender's wait for its answer: room for the engine's swap and ack to arrive, and for
+the engines' clock to lag the sender's."""
 
 
 class EngineLink:
@@ -33,6 +48,7 @@ class EngineLink:
         self.broken: AiosyncError | None = None  # set once the session cannot be trusted
         self.events: list[bytes] = []  # the engine's CUDA IPC events, from its ready
         self.counter_word: int | None = None  # its word of the CUDA plane's counters
+        self._held_until: float | None = None  # (loop clock) waits last this long at least
 
     @property
     def name(self) -> str:
@@ -40,11 +56,16 @@ class EngineLink:
         return self.session.peer
 
     def timeout_error(
-        self, what: str, version: int | None, tensor: str | None = None
+        self,
+        what: str,
+        version: int | None,
+        tensor: str | None = None,
+        waited: float | None = None,
     ) -> SyncTimeoutError:
-        """The error for a wait on this engine that ran out of time."""
+        """The error for a wait on this engine that ran out (``waited``: if not the timeout)."""
+        seconds = self.timeout if waited is None else round(waited, 2)
         return SyncTimeoutError(
-            f"no {what} within {self.timeout:g}s (is the engine alive?)",
+            f"no {what} within {seconds:g}s (is the engine alive?)",
             peer=self.name,
             version=version,
             tensor=tensor,
@@ -65,9 +86,28 @@ class EngineLink:
             raise PeerGoneError(f"engine ended the session: {message.reason}", peer=self.name)
         return message
 
+    def commit_deadline(self) -> float:
+        """The deadline (``time.time()``) of a commit about to be sent on this link.
+
+        From now on, while the commit is unanswered, every wait for an ack on this link
+        lasts until at least one timeout from now; the deadline is a grace earlier, so an
+        engine that takes the commit in time has that grace to make it live and answer.
+        """
+        self._held_until = anyio.current_time() + self.timeout
+        grace = min(COMMIT_GRACE, self.timeout / 4)
+        return time.time() + self.timeout - grace
+
+    def _wait(self) -> float:
+        """How long the next wait for an ack lasts: the timeout, or to a commit's hold."""
+        held = self._held_until
+        if held is None or not self.session.commit_pending:
+            return self.timeout
+        return max(self.timeout, held - anyio.current_time())
+
     async def recv_ack(self, what: str, version: int | None, tensor: str | None = None) -> Ack:
         """The next ack of the open stream; leftovers of failed streams are skipped."""
-        with anyio.move_on_after(self.timeout):
+        wait = self._wait()
+        with anyio.move_on_after(wait):
             while True:
                 message = await self._recv()
                 if not isinstance(message, Ack):
@@ -79,7 +119,7 @@ class EngineLink:
                 ack = self.session.ack(message)
                 if ack is not None:
                     return ack
-        raise self.timeout_error(what, version, tensor)
+        raise self.timeout_error(what, version, tensor, None if wait == self.timeout else wait)
 
     def refusal(self, ack: Ack, what: str) -> RejectedError:
         """The error for a refused message, with the engine's own reason and tensor."""
@@ -89,24 +129,44 @@ class EngineLink:
         )
 
     async def handshake(self, hello: Hello) -> Ready:
-        """Send the hello and return the engine's ready (the session is then usable)."""
+        """Send the hello and return the engine's ready (the session is then usable).
+
+        An engine whose commits may wait for read leases as long as this link's timeout or
+        longer is warned of (naming both values): it waits only to the commit's deadline,
+        and a version still held back by leases then is refused, not made live later.
+        """
+        if hello.timeout is None:  # the engine learns how long this side waits
+            hello = msgspec.structs.replace(hello, timeout=self.timeout)
         await self.send(encode(hello), "the hello", None)
+        reply: Message | None = None
         with anyio.move_on_after(self.timeout):
             reply = await self._recv()
-            if not isinstance(reply, Ready):
-                raise ProtocolError(f"expected ready, got {type(reply).__name__}", peer=self.name)
-            self.session.ready(reply)
-            self.events = reply.events
-            return reply
-        raise PeerGoneError(f"no reply to hello within {self.timeout:g}s", peer=self.name)
+        if reply is None:
+            raise PeerGoneError(f"no reply to hello within {self.timeout:g}s", peer=self.name)
+        if not isinstance(reply, Ready):
+            raise ProtocolError(f"expected ready, got {type(reply).__name__}", peer=self.name)
+        self.session.ready(reply)
+        self.events = reply.events
+        problem = uncovered(self.timeout, reply)
+        if problem is not None:
+            log.warning("engine %s: %s", self.name, problem)
+        return reply
 
-    async def request(self, payload: bytes, seq: int, what: str, version: int) -> None:
-        """Send one stream message and wait for its positive ack; raise the refusal."""
+    async def request(
+        self, payload: bytes, seq: int, what: str, version: int, *, commit: bool = False
+    ) -> None:
+        """Send one stream message and wait for its positive ack; raise the refusal.
+
+        ``commit``: the message is the stream's commit (:meth:`commit_deadline` made it).
+        """
         if self.window is not None:
             await self.window.acquire()
         try:
             await self.send(payload, what, version)
-            self.session.sent(seq)
+            if commit:
+                self.session.sent_commit(seq)
+            else:
+                self.session.sent(seq)
             ack = await self.recv_ack(f"ack for {what}", version)
         finally:
             if self.window is not None:

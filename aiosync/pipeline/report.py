@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from aiosync.core.errors import AiosyncError, InDoubtError
 from aiosync.core.trainer_session import EngineOutcome
 
 
@@ -52,10 +53,44 @@ class SyncReport:
 
     @property
     def committed(self) -> list[str]:
-        """Engines now at this version."""
+        """Engines that committed this version now."""
         return [e.engine for e in self.engines if e.status == "committed"]
 
     @property
+    def current(self) -> list[str]:
+        """Engines that held this version already (a retry): nothing was sent to them."""
+        return [e.engine for e in self.engines if e.status == "current"]
+
+    @property
     def failed(self) -> list[EngineOutcome]:
-        """Engines that did not commit this version, with why."""
-        return [e for e in self.engines if e.status != "committed"]
+        """Engines that are not known to hold this version, with why (``in doubt`` among them)."""
+        return [e for e in self.engines if e.status not in ("committed", "current")]
+
+    @property
+    def in_doubt(self) -> list[str]:
+        """Engines that went silent with the commit sent: they may hold this version."""
+        return [e.engine for e in self.engines if e.status == "in doubt"]
+
+
+def link_failure(
+    engine: str, version: int, exc: AiosyncError, *, doubt: bool, leaves: bool
+) -> AiosyncError:
+    """``engine``'s failure of ``version`` as reported: naming both, saying what follows.
+
+    ``doubt``: the engine went silent with the commit sent, so it may hold the version (an
+    :class:`~aiosync.core.errors.InDoubtError`); ``leaves``: its session broke, so it
+    leaves the sender's fleet.
+    """
+    if not (doubt or leaves or exc.peer is None or exc.version is None):
+        return exc
+    reason = exc.reason
+    if doubt:
+        reason += (
+            f"; the engine may have committed version {version} (in doubt: it makes nothing "
+            "live past the commit's deadline, and its version shows when it is contacted again)"
+        )
+    if leaves:
+        reason += f"; {engine} leaves the fleet"
+    kind = InDoubtError if doubt else type(exc)
+    number = version if exc.version is None else exc.version
+    return kind(reason, peer=exc.peer or engine, version=number, tensor=exc.tensor)

@@ -8,6 +8,8 @@ complete and checked, then all are told to commit; what a failure does depends o
 bucket without waiting for acks; where its commit can depend on nothing but its own
 completion check (one engine, or policy ``available``), the ``commit`` follows too (see
 :meth:`StreamRun._tail_ends` and docs/protocol.md, "Messages that go without waiting").
+An engine that holds the version already (a retry) is sent nothing and reported
+``current``; one that goes silent with its commit sent is reported ``in doubt``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import anyio
 from aiosync.core.errors import (
     AiosyncError,
     PeerGoneError,
+    RejectedError,
+    SyncTimeoutError,
     breaks_session,
 )
 from aiosync.core.layout import BucketPlan
@@ -32,7 +36,7 @@ from aiosync.pipeline.ahead import PackedAhead
 from aiosync.pipeline.begin import begin_is_cheap, encode_begin
 from aiosync.pipeline.fanout import BucketFanout
 from aiosync.pipeline.links import EngineLink
-from aiosync.pipeline.report import ProgressCallback, SyncProgress, SyncReport
+from aiosync.pipeline.report import ProgressCallback, SyncProgress, SyncReport, link_failure
 from aiosync.planes.base import SenderPlane
 from aiosync.runtime import unwrap_group
 
@@ -102,25 +106,17 @@ class StreamRun:
     # --- the whole version ------------------------------------------------------------
 
     async def run(self, plans: Iterator[BucketPlan]) -> SyncReport:
-        """Stream every planned bucket to every engine, then commit under the policy."""
+        """Stream every planned bucket to every engine, then commit under the policy.
+
+        An engine known to hold the version already (a retry) is sent nothing.
+        """
+        for link in self.links.values():
+            if not self.flags["rebase"] and link.session.remote_version == self.version:
+                self.vote.hold(link.name)
+                self._outcomes[link.name] = EngineOutcome(link.name, "current", self.version)
         try:
-            if self._begun is not None:  # every link's stream is open, its begin sent
-                payload: bytes | None = self._begun
-            elif begin_is_cheap(self.manifest):
-                payload = self._begin_message()  # no thread hop
-            else:
-                payload = await anyio.to_thread.run_sync(self._begin_message)
-            opening = None
-            if self._begun is None and not self._may_stream_before_accepted():
-                opening = functools.partial(self._each, self._begin, payload)
-                payload = None  # (bucket 1 is packed meanwhile)
-            self._at_once = self._may_commit_at_once()
-            if self.vote.verdict() is not Verdict.ABORT:
-                await self._stream(plans, payload, opening)
-            if self._check_snapshot is not None:  # before any engine may commit
-                await anyio.to_thread.run_sync(self._check_snapshot)
-            if self.vote.verdict() is not Verdict.ABORT:
-                await self._each(self._complete_and_commit if self._at_once else self._complete)
+            if self.vote.live:
+                await self._send_version(plans)
         except BaseException:
             await self._abort("the trainer failed mid-stream")
             raise
@@ -130,6 +126,26 @@ class StreamRun:
         due = [name for name in self.vote.prepared if name not in self._outcomes]
         await self._each(self._commit, only=due)
         return self._report()
+
+    async def _send_version(self, plans: Iterator[BucketPlan]) -> None:
+        """Begin, stream and complete the version (and commit it, where that goes at once)."""
+        if self._begun is not None:  # every link's stream is open, its begin sent
+            payload: bytes | None = self._begun
+        elif begin_is_cheap(self.manifest):
+            payload = self._begin_message()  # no thread hop
+        else:
+            payload = await anyio.to_thread.run_sync(self._begin_message)
+        opening = None
+        if self._begun is None and not self._may_stream_before_accepted():
+            opening = functools.partial(self._each, self._begin, payload)
+            payload = None  # (bucket 1 is packed meanwhile)
+        self._at_once = self._may_commit_at_once()
+        if self.vote.verdict() is not Verdict.ABORT:
+            await self._stream(plans, payload, opening)
+        if self._check_snapshot is not None:  # before any engine may commit
+            await anyio.to_thread.run_sync(self._check_snapshot)
+        if self.vote.verdict() is not Verdict.ABORT:
+            await self._each(self._complete_and_commit if self._at_once else self._complete)
 
     def _begin_message(self) -> bytes:
         """The encoded ``begin``; without the manifest when an engine could not take it.
@@ -150,7 +166,7 @@ class StreamRun:
         others would apply (in place) part of a version that one refusal dooms, so there
         every engine accepts first (while bucket 1 is packed, not yet published).
         """
-        return streams_before_accepted(len(self.links), self.vote.policy)
+        return streams_before_accepted(len(self.vote.live), self.vote.policy)
 
     def _may_commit_at_once(self) -> bool:
         """Whether each engine's ``commit`` may follow its ``complete`` before the ack.
@@ -165,7 +181,7 @@ class StreamRun:
         """
         if not self._ends_may_go_early():
             return False
-        return len(self.links) == 1 or self.vote.policy is Policy.AVAILABLE
+        return len(self.vote.live) == 1 or self.vote.policy is Policy.AVAILABLE
 
     def _ends_may_go_early(self) -> bool:
         """Whether closing messages may go before acks (no REQ socket, no topology vote)."""
@@ -208,23 +224,28 @@ class StreamRun:
 
     def _link_failed(self, link: EngineLink, exc: AiosyncError) -> None:
         log.warning("engine %s failed version %d: %s", link.name, self.version, exc)
+        doubt = isinstance(exc, SyncTimeoutError) and link.session.commit_pending
         link.session.failed()
-        if exc.peer is None or exc.version is None:  # say which engine and which version
-            exc = type(exc)(
-                exc.reason, peer=exc.peer or link.name, version=self.version, tensor=exc.tensor
-            )
+        held = link.session.remote_version == self.version and not self.flags["rebase"]
+        if held and isinstance(exc, RejectedError):
+            self.vote.hold(link.name)  # its refusal was of a version it turned out to hold
+            self._outcomes[link.name] = EngineOutcome(link.name, "current", self.version)
+            return
+        broken = breaks_session(exc) or link.window is not None
+        exc = link_failure(link.name, self.version, exc, doubt=doubt, leaves=broken)
         if link.name in self.vote.prepared:  # the decision was commit: it is just late
             self.vote.lose(link.name, exc)
-            self._outcomes[link.name] = self._outcome(link, "lost after prepare", exc)
+            status = "in doubt" if doubt else "lost after prepare"
+            self._outcomes[link.name] = self._outcome(link, status, exc)
         else:
             self.vote.fail(link.name, exc)
-        if breaks_session(exc) or link.window is not None:
+        if broken:
             link.broken = exc
 
     # --- phases -----------------------------------------------------------------------
 
     async def _begin(self, link: EngineLink, payload: bytes) -> None:
-        link.session.begin(self.version)
+        link.session.begin(self.version, rebase=self.flags["rebase"])
         await link.request(payload, 0, "the version's manifest", self.version)
 
     async def _complete(self, link: EngineLink) -> None:
@@ -278,8 +299,9 @@ class StreamRun:
             link.session.sent(seq)
         if done < 2 <= upto:
             self._ends_sent[link.name] = 2
-            await link.send(encode(Commit(self.version, seq + 1)), "commit", self.version)
-            link.session.sent(seq + 1)
+            commit = Commit(self.version, seq + 1, link.commit_deadline())
+            await link.send(encode(commit), "commit", self.version)
+            link.session.sent_commit(seq + 1)
 
     async def _complete_and_commit(self, link: EngineLink) -> None:
         """``complete`` and ``commit`` sent together; prepared, then committed, by their acks.
@@ -300,7 +322,8 @@ class StreamRun:
 
     async def _commit(self, link: EngineLink) -> None:
         seq = self._sent().buckets + 2
-        await link.request(encode(Commit(self.version, seq)), seq, "commit", self.version)
+        commit = encode(Commit(self.version, seq, link.commit_deadline()))
+        await link.request(commit, seq, "commit", self.version, commit=True)
         link.session.committed()
         self._outcomes[link.name] = self._outcome(link, "committed")
 
@@ -339,6 +362,7 @@ class StreamRun:
             tail=functools.partial(self._send_ends, upto=ends) if ends else None,
             begun=self._begun is not None,
             sent_first=self._sent_first,
+            rebase=self.flags["rebase"],
         )
         self._fanout = fanout
         first, self._first = self._first, None
@@ -366,7 +390,7 @@ class StreamRun:
     def _report(self) -> SyncReport:
         for name, error in self.vote.failed.items():
             self._outcomes[name] = self._outcome(self.links[name], "failed", error)
-        if not any(o.status == "committed" for o in self._outcomes.values()):
+        if not any(o.status in ("committed", "current") for o in self._outcomes.values()):
             raise self.vote.failure(self.version)
         done = self._fanout.acked if self._fanout else SyncProgress(self.version, 0, 0, 0)
         order = list(self.links)
