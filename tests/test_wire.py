@@ -34,6 +34,7 @@ from aiosync.core.wire import (
     Ack,
     Begin,
     Bucket,
+    Challenge,
     CollectivePlaneSpec,
     Commit,
     Complete,
@@ -139,6 +140,7 @@ SAMPLES: list[Any] = [
     Goodbye("session-1"),
     Goodbye("ünïcødé-sëssion"),
     Ping("session-1"),
+    Challenge("0f1e2d3c4b5a6978", b"\x01" * 32),
 ]
 
 #: Every type decode() may return: a corrupted frame can still be a valid message of any type.
@@ -185,6 +187,7 @@ def test_every_message_type_is_sampled() -> None:
         Abort,
         Goodbye,
         Ping,
+        Challenge,
     }
     planes = {type(m.plane) for m in SAMPLES if isinstance(m, Hello)}
     kinds = {ShmPlaneSpec, CudaIpcPlaneSpec, CudaLegacyPlaneSpec, CollectivePlaneSpec}

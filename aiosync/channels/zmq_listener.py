@@ -4,7 +4,8 @@
 :meth:`~ZmqListener.accept` loop is also what delivers every peer's messages (and answers
 CURVE authentication requests through ZAP, RFC 27), so whoever owns a listener keeps one
 task accepting. A listener with keys lets in only the client keys it lists: a peer without
-one never gets a message through.
+one never gets a message through, and each peer's channel knows the key it came with
+(:attr:`RouterPeer.key`; a message from its routing id under another key is ignored).
 
 A listener may also *connect* its ROUTER to an address a peer binds
 (:meth:`ZmqListener.connect_to`): NeMo-RL's policy worker binds its REQ socket and the engine
@@ -90,10 +91,17 @@ class RouterPeer:
     """One peer of a :class:`ZmqListener`: replies go out through the shared ROUTER."""
 
     def __init__(
-        self, listener: ZmqListener, identity: bytes, *, delimited: bool, name: str
+        self,
+        listener: ZmqListener,
+        identity: bytes,
+        *,
+        delimited: bool,
+        name: str,
+        key: bytes | None = None,
     ) -> None:
         self._listener = listener
         self.identity = identity  # the ZMQ routing id: for addressing only, never shown
+        self.key = key  # the CURVE public key (Z85) it authenticated with; None: no CURVE
         self.envelope = (identity, b"") if delimited else (identity,)
         self._peer = name
         self._tx, self._rx = anyio.create_memory_object_stream[bytes](PEER_QUEUE)
@@ -304,7 +312,9 @@ class ZmqListener:
                         await self._answer_zap()
                     if self._socket not in ready:
                         continue
-                frames = await self._socket.recv_multipart()
+                received = await self._socket.recv_multipart(copy=self._zap is None)
+                key = self._key_of(received[-1])
+                frames = [f.bytes if isinstance(f, zmq.Frame) else f for f in received]
                 # [identity, payload] from a DEALER; [identity, b"", payload] from a REQ
                 delimited = len(frames) == 3 and not frames[1]
                 if len(frames) != 2 and not delimited:
@@ -315,13 +325,20 @@ class ZmqListener:
                     continue  # its replies still fill its queue: ignore it
                 known = self._peers.get(identity)
                 if known is not None:
-                    known.deliver(payload)
+                    if known.key == key:  # a routing id taken over by another key: ignored
+                        known.deliver(payload)
                     continue
                 name = f"peer-{next(_peer_numbers)}"
-                peer = RouterPeer(self, identity, delimited=delimited, name=name)
+                peer = RouterPeer(self, identity, delimited=delimited, name=name, key=key)
                 self._peers[identity] = peer
                 peer.deliver(payload)
                 return peer
+
+    def _key_of(self, frame: bytes | zmq.Frame) -> bytes | None:
+        """The CURVE key a message came with: the user id this listener's ZAP reply gave."""
+        if self._zap is None or not isinstance(frame, zmq.Frame):
+            return None
+        return str(frame.get("User-Id")).encode("ascii", "replace")
 
     async def _answer_zap(self) -> None:
         """Answer every pending ZAP request: only allowed CURVE client keys get in."""

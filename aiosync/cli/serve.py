@@ -67,7 +67,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--keypair", metavar="FILE", help="the server's CURVE secret key file (tcp:// needs keys)"
     )
     parser.add_argument(
-        "--allow", metavar="PATH", help="public key file, or directory of them, of peers let in"
+        "--allow",
+        metavar="PATH",
+        help="public key file, or directory of them, of peers let in: each may both publish "
+        "and subscribe (a role given its own list below takes that instead)",
+    )
+    parser.add_argument(
+        "--allow-publishers",
+        metavar="PATH",
+        help="public key file, or directory of them, of the trainers that may publish (and on "
+        "the control endpoint only ask for status and wait)",
+    )
+    parser.add_argument(
+        "--allow-subscribers",
+        metavar="PATH",
+        help="public key file, or directory of them, of the engines and relays that may "
+        "subscribe (they may not publish)",
     )
     parser.add_argument(
         "--upstream",
@@ -97,14 +112,17 @@ def serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         from aiosync.channels.keys import ChannelAuth
+        from aiosync.cli.checks import CommandError
         from aiosync.server import RetentionPolicy, ServerConfig, WeightServer
 
+        publishers, subscribers = _role_keys(args)
         if args.keypair:
-            if not args.allow:
-                from aiosync.cli.checks import CommandError
-
-                raise CommandError("--keypair needs --allow (the peers' public keys)")
-            auth: ChannelAuth | None = ChannelAuth.server(args.keypair, args.allow)
+            if not (args.allow or args.allow_publishers or args.allow_subscribers):
+                raise CommandError(
+                    "--keypair needs --allow, or --allow-publishers and --allow-subscribers "
+                    "(the peers' public keys)"
+                )
+            auth: ChannelAuth | None = ChannelAuth.server(args.keypair, args.allow or [])
             assert auth is not None
             # towards subscribers' tcp receivers: this keypair; each names its own key
             client: ChannelAuth | None = ChannelAuth(auth.public_key, auth.secret_key)
@@ -115,25 +133,28 @@ def serve(args: argparse.Namespace) -> int:
         upstream_auth = auth
         if args.upstream and args.keypair:
             if not args.upstream_key:
-                from aiosync.cli.checks import CommandError
-
                 raise CommandError("--upstream with --keypair needs --upstream-key")
             upstream_auth = ChannelAuth.client(args.keypair, args.upstream_key)
         limit = None if args.retain_mb is None else int(args.retain_mb * MiB)
-        config = ServerConfig(
-            retention=RetentionPolicy(max_versions=args.retain, max_bytes=limit),
-            publish_endpoint=args.publish,
-            control_endpoint=args.control,
-            auth=auth,
-            subscriber_auth=client,
-            timeout=args.timeout,
-            metrics_port=args.metrics_port,
-            metrics_concurrency=args.metrics_concurrency,
-            metrics_read_timeout=args.metrics_read_timeout,
-            upstream=args.upstream,
-            upstream_auth=upstream_auth,
-            resume_dir=args.resume_dir,
-        )
+        try:
+            config = ServerConfig(
+                retention=RetentionPolicy(max_versions=args.retain, max_bytes=limit),
+                publish_endpoint=args.publish,
+                control_endpoint=args.control,
+                auth=auth,
+                publisher_keys=publishers,
+                subscriber_keys=subscribers,
+                subscriber_auth=client,
+                timeout=args.timeout,
+                metrics_port=args.metrics_port,
+                metrics_concurrency=args.metrics_concurrency,
+                metrics_read_timeout=args.metrics_read_timeout,
+                upstream=args.upstream,
+                upstream_auth=upstream_auth,
+                resume_dir=args.resume_dir,
+            )
+        except ValueError as exc:  # a key given both roles
+            raise CommandError(str(exc)) from None
         async with WeightServer(config) as server:
             emit(
                 "ready",
@@ -147,3 +168,17 @@ def serve(args: argparse.Namespace) -> int:
 
     run_role(main)
     return 0
+
+
+def _role_keys(
+    args: argparse.Namespace,
+) -> tuple[frozenset[bytes] | None, frozenset[bytes] | None]:
+    """The keys of ``--allow-publishers`` and ``--allow-subscribers`` (None: not given)."""
+    from aiosync.channels.keys import load_public_keys
+    from aiosync.cli.checks import CommandError
+
+    paths = args.allow_publishers, args.allow_subscribers
+    if any(paths) and not args.keypair:
+        raise CommandError("--allow-publishers and --allow-subscribers need --keypair")
+    publishers, subscribers = (None if p is None else load_public_keys(p) for p in paths)
+    return publishers, subscribers

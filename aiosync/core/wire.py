@@ -354,7 +354,21 @@ class Ping(msgspec.Struct, frozen=True, tag="ping"):
     session: str
 
 
-Message = Hello | Ready | Begin | Bucket | Complete | Commit | Ack | Abort | Goodbye | Ping
+class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
+    """Server -> engine, outside any session: the secret of subscription ``ref``; never answered.
+
+    A weight server sends it through the channel it opens to the receiver a subscription
+    names; the engine's own subscriber reads it in-process and presents it on its control
+    channel, which proves the receiver is its own (:mod:`aiosync.engine.challenges`).
+    """
+
+    ref: str
+    token: bytes
+
+
+Message = (
+    Hello | Ready | Begin | Bucket | Complete | Commit | Ack | Abort | Goodbye | Ping | Challenge
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -386,9 +400,8 @@ class _BeginBytes(msgspec.Struct, frozen=True, tag="begin"):
     first: Bucket | None = None
 
 
-_lazy_decoder = msgspec.msgpack.Decoder(
-    Hello | Ready | _BeginBytes | Bucket | Complete | Commit | Ack | Abort | Goodbye | Ping
-)
+_Lazy = Hello | Ready | _BeginBytes | Bucket | Complete | Commit | Ack | Abort | Goodbye | Ping
+_lazy_decoder = msgspec.msgpack.Decoder(_Lazy | Challenge)
 _manifest_decoder = msgspec.msgpack.Decoder(list[TensorMeta])
 
 

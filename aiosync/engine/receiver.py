@@ -46,7 +46,8 @@ from aiosync.core.engine_actions import (
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
 from aiosync.core.exception_groups import exit_as_one
-from aiosync.core.wire import Ack, Begin, ManifestMemo, Message, encode, split_begin
+from aiosync.core.wire import Ack, Begin, Challenge, ManifestMemo, Message, encode, split_begin
+from aiosync.engine.challenges import Challenges
 from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
@@ -90,6 +91,7 @@ class WeightReceiver:
     are cancelled, with every socket and buffer released, when it ends. While one sender
     streams, another's version is refused as busy (it may retry). ``on_commit(version)`` runs
     in a worker thread after each commit. ``held`` keeps buckets named by digest until a commit.
+    :attr:`challenges` keeps what weight servers' challenges said (for a subscriber's proof).
 
     ``on_live(version)`` runs under the swap, the moment the sink made a version live and
     before any read lease on it is granted: leases asked for meanwhile wait for it, and with
@@ -138,6 +140,7 @@ class WeightReceiver:
         self._leases = LeaseGate()
         self._swapper = Swapper(sink, self._leases, self.config, self._limiter, on_live)
         self._task_group: anyio.abc.TaskGroup | None = None
+        self.challenges = Challenges()
 
     # --- what an engine reads -------------------------------------------------------
 
@@ -347,6 +350,9 @@ class WeightReceiver:
         except ProtocolError as exc:
             log.debug("undecodable message from %s: %s", peer, exc)
             return machine.undecodable(peer, exc)
+        if isinstance(message, Challenge):  # for this process's subscriber; never answered
+            self.challenges.note(message.ref, message.token)
+            return []
         first = None
         if isinstance(message, Begin) and machine.accepts_first(peer):
             message, first = split_begin(message)  # bucket 1 in it: two messages in a row

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.limits import Limits
 from aiosync.engine.config import ReceiverConfig
 from aiosync.server.retention import RetentionPolicy
+from aiosync.server.roles import RoleAuth, role_auth
 
 
 @dataclass(frozen=True)
@@ -17,8 +19,14 @@ class ServerConfig:
     ``publish_endpoint`` (publishers' ``WeightSender`` connects here) and
     ``control_endpoint`` (subscribers and clients): default ``ipc://`` in private
     directories; ``tcp://`` needs ``auth`` (CURVE keys, or loopback without).
+    ``publisher_keys`` and ``subscriber_keys`` (public keys, Z85) separate the roles: only a
+    publisher's key passes the publish endpoint's handshake, and on the control endpoint
+    it may only ask for status and wait; only a subscriber's key may subscribe, fetch,
+    follow or pull. A role not given takes ``auth.allowed_clients``, and without either
+    every key of ``auth.allowed_clients`` holds both roles (:mod:`aiosync.server.roles`).
     ``subscriber_auth`` is this server's keypair towards subscribers' ``tcp://`` receivers
-    (each subscriber names its receiver's public key when it subscribes). ``receiver`` bounds
+    (each subscriber names its receiver's public key when it subscribes; an ``ipc://``
+    receiver without one is reached without CURVE). ``receiver`` bounds
     what a publisher may send. ``timeout`` bounds every wait on a subscriber;
     ``window`` the buckets awaiting a subscriber's ack; ``max_subscribers`` the
     subscriptions at once; ``memory_timeout`` how long a publisher's bucket waits for room.
@@ -38,6 +46,8 @@ class ServerConfig:
     control_endpoint: str | None = None
     auth: ChannelAuth | None = None
     subscriber_auth: ChannelAuth | None = None
+    publisher_keys: Collection[bytes | str] | None = None
+    subscriber_keys: Collection[bytes | str] | None = None
     receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
     timeout: float = 60.0
     window: int = 16
@@ -64,3 +74,9 @@ class ServerConfig:
             raise ValueError(f"metrics_concurrency must be at least 1, got {workers!r}")
         if not seconds > 0:  # also NaN
             raise ValueError(f"metrics_read_timeout must be positive, got {seconds!r}")
+        role_auth(self.auth, self.publisher_keys, self.subscriber_keys)  # ValueError if not
+
+    @property
+    def role_auth(self) -> RoleAuth:
+        """The publish and control endpoints' keys, and which key holds which role."""
+        return role_auth(self.auth, self.publisher_keys, self.subscriber_keys)

@@ -9,6 +9,8 @@ message        direction   meaning
 =============  ==========  ==========================================================
 ``subscribe``  C -> S      send versions to the receiver at ``endpoint``; may lag ``max_lag``;
                            (resuming) the buckets it holds already, by digest
+``prove``      S -> C      a challenge ``ref`` went to that receiver: show its token
+``proof``      C -> S      the token the receiver was sent: the subscription goes ahead
 ``fetch``      C -> S      send this retained version and stay on it (stop following)
 ``follow``     C -> S      follow the newest version again
 ``status?``    C -> S      report versions and engines now
@@ -56,6 +58,22 @@ class Subscribe(msgspec.Struct, frozen=True, tag="subscribe"):
     resume: bool = False
     held: list[bytes] = []
     held_version: int | None = None
+
+
+class Prove(msgspec.Struct, frozen=True, tag="prove"):
+    """Server -> subscriber: challenge ``ref`` went to the receiver named; send its token.
+
+    The server feeds the receiver only once the same control channel sends a
+    :class:`Proof` holding the token it sent there (:mod:`aiosync.server.admission`).
+    """
+
+    ref: str
+
+
+class Proof(msgspec.Struct, frozen=True, tag="proof"):
+    """Subscriber -> server: the token its receiver was sent (it owns that receiver)."""
+
+    token: bytes
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -164,8 +182,8 @@ class Chunk(msgspec.Struct, frozen=True, tag="chunk"):
     data: memoryview  # decoded without a copy: a view of the received message
 
 
-Request = Subscribe | Fetch | Follow | StatusRequest | Wait | Pull | Get
-Reply = Status | Refused | Closing | Head | Chunk
+Request = Subscribe | Proof | Fetch | Follow | StatusRequest | Wait | Pull | Get
+Reply = Status | Refused | Closing | Head | Chunk | Prove
 ControlMessage = Request | Reply
 
 MAX_CONTROL_BYTES = 1 << 20

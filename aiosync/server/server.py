@@ -6,7 +6,10 @@ publisher it is an engine: an ordinary :class:`~aiosync.engine.receiver.WeightRe
 shared memory, so a trainer's ``send`` returns once the server holds the version. Towards
 each subscriber it is a sender (:mod:`aiosync.server.feed`): it streams the newest retained
 version whole from that memory, at the subscriber's pace, so a slow engine never slows the
-publisher beyond the retention bound and a late joiner is served at once.
+publisher beyond the retention bound and a late joiner is served at once. Publishers and
+subscribers are separate roles by key (:mod:`aiosync.server.roles`), and a subscriber
+proves it owns the receiver it names before anything is sent there
+(:mod:`aiosync.server.admission`).
 """
 
 from __future__ import annotations
@@ -23,16 +26,23 @@ import anyio
 import anyio.abc
 
 from aiosync.channels.base import Channel
-from aiosync.channels.keys import ChannelAuth
-from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
+from aiosync.core.errors import (
+    AiosyncError,
+    ProtocolError,
+    RejectedError,
+    SyncTimeoutError,
+    UsageError,
+)
 from aiosync.core.exception_groups import exit_as_one
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.runtime import require_asyncio
 from aiosync.server import messages as m
+from aiosync.server.admission import admit
 from aiosync.server.config import ServerConfig
 from aiosync.server.feed import counter, feed_version, gone_while_idle, is_refusal, retried
 from aiosync.server.fleet import FleetBook, SubscriberState, subscription_problem
 from aiosync.server.relay import Relay, RelayDesk
+from aiosync.server.roles import SHARED
 from aiosync.server.store import RetainingSink, RetentionStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +61,7 @@ class WeightServer:
 
     def __init__(self, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig()
+        self._keys = self.config.role_auth
         self.store = RetentionStore(
             self.config.retention, memory_timeout=self.config.memory_timeout
         )
@@ -150,9 +161,11 @@ class WeightServer:
             self.metrics, self._http = open_metrics(stack, self.config, self.health)
             from aiosync.channels.zmq import ZmqListener
 
+            if self._keys.shared:
+                log.warning("every key allowed here may both publish and subscribe: %s", SHARED)
             self._listener = ZmqListener.open(
                 self.config.control_endpoint,
-                auth=self.config.auth,
+                auth=self._keys.control,
                 max_message_bytes=m.MAX_CONTROL_BYTES,
             )
             stack.push_async_callback(self._listener.aclose)
@@ -161,7 +174,7 @@ class WeightServer:
                 self.config.publish_endpoint,
                 config=self.config.receiver,
                 on_commit=self._committed_thread,
-                auth=self.config.auth,
+                auth=self._keys.publish,
             )
             self._receiver = await stack.enter_async_context(receiver)
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
@@ -256,6 +269,10 @@ class WeightServer:
                     log.warning("control peer %s sent garbage: %s", channel.peer, exc)
                     await self._reply(channel, m.Refused(str(exc)))
                     return
+                refusal = self._keys.roles.refusal(request, getattr(channel, "key", None))
+                if refusal is not None:
+                    await self._reply(channel, m.Refused(refusal))
+                    continue
                 if isinstance(request, m.Subscribe):
                     if subscriber is not None:
                         await self._reply(channel, m.Refused("this channel already subscribed"))
@@ -306,26 +323,23 @@ class WeightServer:
         return self.status()
 
     async def _subscribe(self, control: Channel, request: m.Subscribe) -> SubscriberState | None:
-        """Open a channel to the subscriber's receiver and start feeding it."""
+        """Admit the subscriber (it owns the receiver it names), then start feeding it."""
         assert self._tasks is not None
         name = request.name or control.peer
-        problem = subscription_problem(
-            self.fleet, name, request.endpoint, request.max_lag, self.config.max_subscribers
-        )
+        bounds = self.fleet, name, request.endpoint, request.max_lag, self.config.max_subscribers
+        problem = subscription_problem(*bounds)
+        if problem is None:
+            own, wait = self.config.subscriber_auth, self.config.timeout
+            try:
+                channel = await admit(control, request, own=own, timeout=wait, reply=self._reply)
+            except RejectedError as exc:
+                problem = exc.reason
+            else:
+                problem = subscription_problem(*bounds)  # another may have come meanwhile
+                if problem is not None:
+                    await channel.aclose()
         if problem is not None:
             await self._reply(control, m.Refused(problem))
-            return None
-        from aiosync.channels.zmq import ZmqChannel
-
-        try:
-            auth = self.config.subscriber_auth
-            if request.key is not None and auth is not None and auth.public_key is not None:
-                auth = ChannelAuth(
-                    auth.public_key, auth.secret_key, server_key=request.key.encode()
-                )
-            channel = ZmqChannel.connect(request.endpoint, auth=auth)
-        except AiosyncError as exc:
-            await self._reply(control, m.Refused(str(exc)))
             return None
         state = self.fleet.add(name, request.max_lag, follow=request.follow)
         state.resume, state.held = request.resume, m.held_digests(request.held)

@@ -81,6 +81,15 @@ class ServerClient:
 
     async def request(self, message: m.Request, timeout: float | None = None) -> m.Status:
         """Send one request and return the server's status; refusals raise RejectedError."""
+        reply = await self.ask(message, timeout)
+        if not isinstance(reply, m.Status):
+            raise ProtocolError(
+                f"expected a status, got {type(reply).__name__}", peer=self.endpoint
+            )
+        return reply
+
+    async def ask(self, message: m.Request, timeout: float | None = None) -> m.Status | m.Prove:
+        """:meth:`request`, where the answer may also be ``prove`` (to a ``subscribe``)."""
         if self._channel is None:
             raise AiosyncError("client is not open", peer=self.endpoint)
         wait = self.timeout if timeout is None else timeout
@@ -94,7 +103,7 @@ class ServerClient:
                         raise PeerGoneError(f"server closing: {reply.reason}", peer=self.endpoint)
                     if isinstance(reply, m.Refused):
                         raise RejectedError(reply.reason, peer=self.endpoint)
-                    if not isinstance(reply, m.Status):
+                    if not isinstance(reply, m.Status | m.Prove):
                         raise ProtocolError(
                             f"expected a status, got {type(reply).__name__}", peer=self.endpoint
                         )
@@ -142,7 +151,9 @@ class Subscriber:
     may lag (the server reports it, and publishers may wait on it); ``follow=False``
     subscribes without taking versions until :meth:`fetch` or :meth:`follow`. ``endpoint``
     is where the receiver binds (default: ``ipc://`` in a private directory; a ``tcp://``
-    one takes ``receiver_auth``); ``auth`` reaches the server's control endpoint.
+    one takes ``receiver_auth``); ``auth`` reaches the server's control endpoint. Subscribing
+    proves to the server that the receiver is this engine's: the server's challenge reaches
+    it there and the subscriber sends it back (:mod:`aiosync.server.admission`).
     ``on_commit(version)`` runs in a worker thread after each commit; ``on_live(version)``
     runs under the swap, before any lease on the new version (the receiver's, see
     :class:`~aiosync.WeightReceiver`). What an engine reads of its receiver is here too
@@ -254,12 +265,20 @@ class Subscriber:
         try:
             await stack.enter_async_context(self.receiver)
             await stack.enter_async_context(self.client)
-            await self.client.request(await self._subscription())
+            await self._subscribe()
         except BaseException:
             await stack.aclose()
             raise
         self._stack = stack
         return self
+
+    async def _subscribe(self) -> None:
+        """Subscribe, proving this engine owns its receiver: the server's challenge to it."""
+        reply = await self.client.ask(await self._subscription())
+        if isinstance(reply, m.Prove):
+            challenges, wait = self.receiver.challenges, self.client.timeout
+            token = await challenges.wait(reply.ref, wait, endpoint=self.receiver.endpoint)
+            await self.client.request(m.Proof(token))
 
     async def _subscription(self) -> m.Subscribe:
         key = self._receiver_auth.public_key if self._receiver_auth else None
@@ -293,7 +312,7 @@ class Subscriber:
             while True:
                 await self.client.reconnect()
                 try:
-                    await self.client.request(await self._subscription())
+                    await self._subscribe()
                     return
                 except RejectedError as exc:
                     refusal = exc
