@@ -2,7 +2,10 @@
 
 This module holds :class:`ZmqChannel`, the connecting side. It connects to one peer; its
 :meth:`~ZmqChannel.recv` also watches the connection, so a peer process that dies (during
-the hello as during a stream) is noticed at once rather than after a timeout. The ROUTER
+the hello as during a stream) is noticed at once rather than after a timeout. A channel is
+driven from one event loop at a time and may move to another once the first stops running;
+dropped without :meth:`~ZmqChannel.aclose`, it closes its sockets on its own
+(:mod:`aiosync.channels.zmq_owned` says how that never hangs). The ROUTER
 side (:class:`ZmqListener`, :class:`RouterPeer`) lives in
 :mod:`aiosync.channels.zmq_listener`, the endpoint and security rules shared by both in
 :mod:`aiosync.channels.zmq_common`; both are re-exported here, so importers need only
@@ -11,6 +14,7 @@ this module.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 import anyio
@@ -36,7 +40,8 @@ from aiosync.channels.zmq_listener import (
     RouterPeer,
     ZmqListener,
 )
-from aiosync.core.errors import AiosyncError, PeerGoneError, map_exceptions
+from aiosync.channels.zmq_owned import OwnedSockets, PrivateContext
+from aiosync.core.errors import AiosyncError, PeerGoneError, UsageError, map_exceptions
 
 __all__ = [
     "DROPPED_MEMORY",
@@ -64,6 +69,11 @@ class ZmqChannel:
 
     A REQ socket allows one message awaiting its reply (``window`` 1) and no unasked
     messages; after a failure its state is unknown and the caller must replace it.
+
+    pyzmq registers a socket with the event loop that uses it, and a socket watched by two
+    running loops is read from two threads; so using the channel from a second loop while
+    the first still runs is a :class:`~aiosync.core.errors.UsageError` (a
+    :class:`~aiosync.handles.ChannelHandle` opens a channel per loop instead).
     """
 
     def __init__(
@@ -71,21 +81,26 @@ class ZmqChannel:
         socket: zmq.asyncio.Socket,
         *,
         endpoint: str,
-        context: zmq.asyncio.Context | None = None,
+        context: PrivateContext | None = None,
     ) -> None:
         self._socket = socket
         self._endpoint = endpoint
-        self._context = context
+        self._owned: OwnedSockets | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._window = 1 if socket.type == zmq.REQ else None
         self._lost = anyio.Event()
         self._failure: AiosyncError | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._poller = zmq.asyncio.Poller()
         self._poller.register(socket, zmq.POLLIN)
-        if context is not None:  # only watch sockets this channel owns
+        if context is not None:  # only watch and close sockets this channel owns
+            self._owned = OwnedSockets(context)
             events = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILURES
             self._monitor = socket.get_monitor_socket(events)
+            self._owned.add(self._monitor, flush=False)
+            self._owned.add(socket, flush=True)
             self._poller.register(self._monitor, zmq.POLLIN)
+            self._owned.watch(self)
         self._errors = _zmq_error(endpoint)
 
     @classmethod
@@ -99,7 +114,7 @@ class ZmqChannel:
         """
         check_endpoint(endpoint, binding=False)
         keys = curve_keys(endpoint, auth, binding=False)
-        ctx = zmq.asyncio.Context()
+        ctx = PrivateContext()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, int(_wants_ipv6(endpoint)))
@@ -115,11 +130,12 @@ class ZmqChannel:
             with map_exceptions(_zmq_error(endpoint)):
                 sock.connect(endpoint)
         except BaseException:
-            if channel is not None and channel._monitor is not None:
+            if channel is not None and channel._owned is not None:
                 sock.disable_monitor()
-                channel._monitor.close(linger=0)
-            sock.close(linger=0)
-            ctx.term()
+                channel._owned.close(0)
+            else:
+                sock.close(linger=0)
+                ctx.term()
             raise
         return channel
 
@@ -149,8 +165,24 @@ class ZmqChannel:
         """Set when the connection to the peer drops or its handshake fails (seen in recv)."""
         return self._lost
 
+    def _on_this_loop(self) -> None:
+        """Bind to the running loop; refuse a second loop while the first still runs."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        if self._loop is not None and self._loop.is_running():
+            raise UsageError(
+                "this ZMQ channel is in use on another event loop that is still running; "
+                "drive a channel from one loop at a time",
+                peer=self._endpoint,
+            )
+        self._loop = loop
+        if self._owned is not None:
+            self._owned.loop = loop
+
     async def send(self, payload: bytes) -> None:
         """Send one message (REQ sockets add their own empty delimiter)."""
+        self._on_this_loop()
         with map_exceptions(self._errors):
             await self._socket.send(payload)
 
@@ -163,6 +195,7 @@ class ZmqChannel:
         acks of pipelined messages are often there already); the socket's monitor is
         read whenever none is.
         """
+        self._on_this_loop()
         with map_exceptions(self._errors):
             while True:
                 if self._failure is not None:
@@ -212,13 +245,11 @@ class ZmqChannel:
         self._lost.set()
 
     async def aclose(self) -> None:
-        """Close socket and context if this channel made them."""
-        if self._context is None:
+        """Close socket and context if this channel made them (idempotent).
+
+        What the socket still has queued may go out for up to ``CLOSE_LINGER_MS``.
+        """
+        if self._owned is None or self._owned.closed:
             return
-        if self._monitor is not None:
-            self._socket.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
-        self._socket.close(linger=CLOSE_LINGER_MS)
-        self._context.term()
-        self._context = None
+        self._socket.disable_monitor()
+        self._owned.close(CLOSE_LINGER_MS)

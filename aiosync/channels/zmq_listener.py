@@ -19,11 +19,13 @@ their ZMQ routing ids, which a peer may choose.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import shutil
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -43,6 +45,7 @@ from aiosync.channels.zmq_common import (
     curve_keys,
     private_ipc_endpoint,
 )
+from aiosync.channels.zmq_owned import OwnedSockets, PrivateContext
 from aiosync.core.errors import PeerGoneError, UsageError, map_exceptions
 
 log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under before the split
@@ -161,6 +164,18 @@ class RouterPeer:
         self._rx.close()
 
 
+def _remover(path: Path | None, directory: Path | None) -> Callable[[], None]:
+    """What a dropped listener removes once closed: its socket file and private directory."""
+
+    def remove() -> None:
+        if path is not None:
+            path.unlink(missing_ok=True)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    return remove
+
+
 class ZmqListener:
     """A bound ROUTER socket; :meth:`accept` yields a :class:`RouterPeer` per new identity.
 
@@ -192,7 +207,7 @@ class ZmqListener:
         except BaseException:
             self._remove_private_dir()
             raise
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = PrivateContext()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._zap: zmq.asyncio.Socket | None = None
         self._allowed: frozenset[bytes] = frozenset()
@@ -226,6 +241,12 @@ class ZmqListener:
             endpoint if connecting else self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         )
         self._closed = False
+        files = None if connecting else _ipc_path(self._endpoint)
+        self._owned = OwnedSockets(self._ctx, cleanup=_remover(files, self._private_dir))
+        self._owned.add(self._socket, flush=True)
+        if self._zap is not None:  # after the ROUTER: no handler means no check at all
+            self._owned.add(self._zap, flush=False)
+        self._owned.watch(self)  # dropped without aclose: closed, never hung
 
     def _serve_curve(self, keys: ChannelAuth) -> None:
         """Make the ROUTER a CURVE server whose ZAP handler (answered in accept) is bound first.
@@ -304,6 +325,7 @@ class ZmqListener:
         Also answers libzmq's authentication requests when keys are in use, so handshakes
         complete only while some task is accepting.
         """
+        self._owned.loop = asyncio.get_running_loop()  # where a dropped listener is closed
         with map_exceptions(self._errors):
             while True:
                 if self._zap is not None:
@@ -407,10 +429,7 @@ class ZmqListener:
         self._closed = True
         for peer in list(self._peers.values()):
             await peer.aclose()
-        self._socket.close(linger=CLOSE_LINGER_MS)
-        if self._zap is not None:  # after the ROUTER: no handler means no check at all
-            self._zap.close(linger=0)
-        self._ctx.term()
+        self._owned.close(CLOSE_LINGER_MS)
         path = _ipc_path(self._endpoint)
         if path is not None and not self._connecting:  # a connected path is the peer's
             path.unlink(missing_ok=True)

@@ -8,8 +8,12 @@ with the same argument names, and answers with plain data (:class:`WeightSyncRes
 object in this process, a Ray actor and an engine process behind aiosync's control channel;
 :func:`aiosync.handles.as_engine_handle` picks one for whatever a caller holds.
 
-Handles never impose a timeout themselves: the caller puts one deadline around a whole
-sync (``anyio.fail_after``) and a handle's calls are cancellable at any await.
+A handle on an engine in another process bounds each call by its own ``timeout`` (default
+:data:`CALL_TIMEOUT`): an engine that does not answer by then is a
+:class:`~aiosync.core.errors.SyncTimeoutError` naming it. Callers may also put one deadline
+around a whole sync (``anyio.fail_after``); a handle's calls are cancellable at any await.
+An :class:`~aiosync.handles.ObjectHandle` has no timeout of its own: its calls run the
+engine's code in this process, which a timeout could abandon but not stop.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from types import TracebackType
 import msgspec
 
 from aiosync.core.answers import WeightSyncResult as WeightSyncResult
+
+CALL_TIMEOUT = 120.0
+"""Seconds a handle on an engine in another process waits for one call's answer, by default.
+
+The same as the compat functions' ``AIOSYNC_TIMEOUT`` default; keep a handle's timeout above
+the longest call it makes (a group join waits for every member, an update for its bucket).
+"""
 
 
 class HealthStatus(msgspec.Struct, frozen=True):

@@ -5,22 +5,32 @@ for the :class:`Reply` carrying its id; :func:`serve_engine` (engine side) answe
 peer of a :class:`~aiosync.channels.base.Listener` from a local
 :class:`~aiosync.handles.EngineHandle`. Messages are msgpack, decoded into fixed structs:
 a peer can send nothing that turns into code or objects. A lost connection (the engine
-process died) is a :class:`~aiosync.core.errors.PeerGoneError` naming the engine.
+process died) is a :class:`~aiosync.core.errors.PeerGoneError` naming the engine, an engine
+that does not answer within the handle's ``timeout`` a
+:class:`~aiosync.core.errors.SyncTimeoutError` naming it. A handle may be awaited from any
+event loop (:mod:`aiosync.handles.links`) and dropped without ``aclose()``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import msgspec
 
 from aiosync.channels.base import Channel, Listener
 from aiosync.channels.keys import ChannelAuth
-from aiosync.core.errors import AiosyncError, PeerGoneError, ProtocolError, UsageError
-from aiosync.handles.base import EngineHandle, HealthStatus, WeightSyncResult
+from aiosync.core.errors import (
+    AiosyncError,
+    PeerGoneError,
+    ProtocolError,
+    SyncTimeoutError,
+    UsageError,
+)
+from aiosync.handles.base import CALL_TIMEOUT, EngineHandle, HealthStatus, WeightSyncResult
+from aiosync.handles.links import Links
 from aiosync.handles.results import MAX_TEXT
 
 log = logging.getLogger(__name__)
@@ -72,6 +82,14 @@ class HealthCall(msgspec.Struct, frozen=True, tag="health"):
 
 Call = InitGroupCall | UpdateDistributedCall | UpdateTensorCall | DestroyGroupCall | HealthCall
 
+_METHODS: dict[type[Call], str] = {
+    InitGroupCall: "init_weights_update_group",
+    UpdateDistributedCall: "update_weights_from_distributed",
+    UpdateTensorCall: "update_weights_from_tensor",
+    DestroyGroupCall: "destroy_weights_update_group",
+    HealthCall: "check_health",
+}
+
 
 class Request(msgspec.Struct, frozen=True, tag="request"):
     """One call; ``id`` comes back in its :class:`Reply`."""
@@ -97,29 +115,61 @@ _replies = msgspec.msgpack.Decoder(Reply)
 class ChannelHandle(EngineHandle):
     """An engine in another process, behind a :class:`Channel` it serves with :func:`serve_engine`.
 
-    One call is in flight at a time (later ones wait their turn); a reply to a call that
-    was cancelled is recognised by its id and dropped.
+    One call is in flight at a time per event loop (later ones wait their turn), and each
+    waits at most ``timeout`` seconds (queueing included) for its answer: past that it is a
+    :class:`~aiosync.core.errors.SyncTimeoutError` naming the engine, and the channel stays
+    usable (a late answer is recognised by its id and dropped, as is the answer to a call
+    that was cancelled). ``reopen``, when given, opens another channel to the same engine,
+    for each further event loop the handle is awaited from; without it the handle keeps
+    ``channel``, which may move to a new loop only once its first loop is closed.
     """
 
-    def __init__(self, channel: Channel, *, name: str | None = None) -> None:
-        self._channel = channel
+    def __init__(
+        self,
+        channel: Channel,
+        *,
+        name: str | None = None,
+        timeout: float = CALL_TIMEOUT,
+        reopen: Callable[[], Channel] | None = None,
+    ) -> None:
+        if not timeout > 0:
+            raise UsageError(f"a handle's timeout must be positive, got {timeout!r}")
         self._name = name or channel.peer
+        self._timeout = float(timeout)
+        self._links = Links(channel, name=self._name, reopen=reopen)
         self._ids = itertools.count(1)
-        self._lock = anyio.Lock()
 
     @classmethod
     def connect(
-        cls, endpoint: str, *, auth: ChannelAuth | None = None, name: str | None = None
+        cls,
+        endpoint: str,
+        *,
+        auth: ChannelAuth | None = None,
+        name: str | None = None,
+        timeout: float = CALL_TIMEOUT,
     ) -> ChannelHandle:
-        """A handle on the engine served at ``endpoint`` (ZMQ; ``auth`` as for channels)."""
+        """A handle on the engine served at ``endpoint`` (ZMQ; ``auth`` as for channels).
+
+        Close it with ``await handle.aclose()`` (or ``async with``) from any loop; one
+        dropped without closing closes its sockets itself. Each call waits at most
+        ``timeout`` seconds.
+        """
         from aiosync.channels.zmq import ZmqChannel
 
-        return cls(ZmqChannel.connect(endpoint, auth=auth), name=name or endpoint)
+        def reopen() -> Channel:
+            return ZmqChannel.connect(endpoint, auth=auth)
+
+        return cls(reopen(), name=name or endpoint, timeout=timeout, reopen=reopen)
 
     @property
     def name(self) -> str:
         """The given name, or the channel's peer name."""
         return self._name
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each call waits for the engine's answer."""
+        return self._timeout
 
     async def _roundtrip(self, call: Call) -> Reply:
         try:
@@ -131,18 +181,28 @@ class ChannelHandle(EngineHandle):
             ) from exc
 
     async def _exchange(self, call: Call) -> Reply:
-        async with self._lock:
-            request_id = next(self._ids)
-            await self._channel.send(_encoder.encode(Request(request_id, call)))
-            while True:
-                data = await self._channel.recv()
-                try:
-                    reply = _replies.decode(data)
-                except msgspec.DecodeError as exc:
-                    raise ProtocolError(f"malformed reply: {exc}", peer=self._name) from None
-                if reply.id == request_id:
-                    return reply
-                log.debug("%s: dropping a stale reply (id %d)", self._name, reply.id)
+        with anyio.move_on_after(self._timeout):
+            link = await self._links.current()
+            async with link.lock:
+                return await self._ask(link.channel, call)
+        raise SyncTimeoutError(
+            f"no answer to {_METHODS[type(call)]}() within {self._timeout:g}s "
+            "(the engine may be stuck or its process stopped)",
+            peer=self._name,
+        )
+
+    async def _ask(self, channel: Channel, call: Call) -> Reply:
+        request_id = next(self._ids)
+        await channel.send(_encoder.encode(Request(request_id, call)))
+        while True:
+            data = await channel.recv()
+            try:
+                reply = _replies.decode(data)
+            except msgspec.DecodeError as exc:
+                raise ProtocolError(f"malformed reply: {exc}", peer=self._name) from None
+            if reply.id == request_id:
+                return reply
+            log.debug("%s: dropping a stale reply (id %d)", self._name, reply.id)
 
     async def _update(self, call: Call) -> WeightSyncResult:
         reply = await self._roundtrip(call)
@@ -217,8 +277,11 @@ class ChannelHandle(EngineHandle):
         return HealthStatus(reply.success, reply.message[:MAX_TEXT], reply.weight_version)
 
     async def aclose(self) -> None:
-        """Close the channel (the engine process keeps running)."""
-        await self._channel.aclose()
+        """Close every channel, from any loop (the engine process keeps running); idempotent.
+
+        Calls after it are a :class:`~aiosync.core.errors.UsageError`.
+        """
+        await self._links.aclose()
 
 
 async def _answer(engine: EngineHandle, call: Call) -> Reply:

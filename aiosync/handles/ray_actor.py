@@ -5,7 +5,9 @@ bool, bytes): Ray serializes the call itself, and aiosync hands it nothing it wo
 pickle on aiosync's behalf. The ObjectRef is awaited on the event loop (never ``ray.get``),
 so the loop keeps running; a cancelled await asks Ray to cancel the task. A task that
 raised is a failed result with the engine's text; an actor or node that died is a
-:class:`~aiosync.core.errors.PeerGoneError` naming the engine.
+:class:`~aiosync.core.errors.PeerGoneError` naming the engine, and a call not answered
+within the handle's ``timeout`` a :class:`~aiosync.core.errors.SyncTimeoutError` naming it
+(the task is cancelled).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 import anyio
 
-from aiosync.core.errors import PeerGoneError, UsageError
-from aiosync.handles.base import HealthStatus, WeightSyncResult
+from aiosync.core.errors import PeerGoneError, SyncTimeoutError, UsageError
+from aiosync.handles.base import CALL_TIMEOUT, HealthStatus, WeightSyncResult
 from aiosync.handles.calling import CallingHandle, health_of
 from aiosync.handles.results import MAX_TEXT, as_result
 
@@ -41,10 +43,18 @@ def _task_text(exc: BaseException) -> str:
 
 
 class RayActorHandle(CallingHandle):
-    """Drives an engine that is a Ray actor (an SGLang engine actor, or any with the methods)."""
+    """Drives an engine that is a Ray actor (an SGLang engine actor, or any with the methods).
 
-    def __init__(self, actor: Any, *, name: str | None = None) -> None:
+    Each call waits at most ``timeout`` seconds for the actor's answer.
+    """
+
+    def __init__(
+        self, actor: Any, *, name: str | None = None, timeout: float = CALL_TIMEOUT
+    ) -> None:
+        if not timeout > 0:
+            raise UsageError(f"a handle's timeout must be positive, got {timeout!r}")
         self._actor = actor
+        self._timeout = float(timeout)
         if name is None:
             actor_id = getattr(actor, "_actor_id", None)
             hexid = actor_id.hex()[:12] if actor_id is not None else f"{id(actor):x}"
@@ -62,14 +72,21 @@ class RayActorHandle(CallingHandle):
         return self._actor
 
     async def _invoke(self, method: str, kwargs: dict[str, object]) -> object:
-        import ray
-        import ray.exceptions
-
         try:
             remote = getattr(self._actor, method)
         except AttributeError:
             raise UsageError(f"the actor has no method {method}()", peer=self._name) from None
         ref = remote.remote(**kwargs)
+        with anyio.move_on_after(self._timeout):
+            return await self._await(ref, method)
+        raise SyncTimeoutError(
+            f"no answer to {method}() within {self._timeout:g}s", peer=self._name
+        )
+
+    async def _await(self, ref: Any, method: str) -> object:
+        import ray
+        import ray.exceptions
+
         try:
             return await ref
         except anyio.get_cancelled_exc_class():
@@ -104,5 +121,5 @@ class RayActorHandle(CallingHandle):
             return health_of(await self._invoke("check_health", {}))
         except ray.exceptions.RayTaskError as exc:
             return HealthStatus(healthy=False, message=_task_text(exc))
-        except PeerGoneError as exc:
+        except (PeerGoneError, SyncTimeoutError) as exc:
             return HealthStatus(healthy=False, message=exc.reason)
