@@ -193,7 +193,8 @@ async def send_version(
         count = len(retained.buckets)
         complete = Complete(version, count + 1, count, retained.tensors)
         await link.request(encode(complete), count + 1, "completion check", version)
-        await link.request(encode(Commit(version, count + 2)), count + 2, "commit", version)
+        commit = Commit(version, count + 2, deadline=link.commit_deadline())
+        await link.request(encode(commit), count + 2, "commit", version, commit=True)
         link.session.committed()
         return Transfer(version, sent, count, kept)
     except BaseException:
