@@ -169,3 +169,17 @@ def test_serve_takes_the_metrics_bounds() -> None:
     assert (defaults.metrics_concurrency, defaults.metrics_read_timeout) == (8, 5.0)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--metrics-concurrency", "0"])
+
+
+def test_a_port_in_use_is_an_oserror_and_leaks_nothing() -> None:
+    """A failed bind closes what the server made before it (no AttributeError on the way)."""
+    import socket
+
+    from aiosync.server.metrics_http import BoundedHTTPServer, HeadReadHandler
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match="in use"):
+            BoundedHTTPServer(("127.0.0.1", port), HeadReadHandler)

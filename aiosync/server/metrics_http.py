@@ -91,13 +91,14 @@ class BoundedHTTPServer(socketserver.TCPServer):
             raise ValueError(f"read_timeout must be positive, got {read_timeout!r}")
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
+        # made before the bind: a failed bind calls server_close, which closes them
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
         super().__init__(address, handler)
         self._handler = handler
         self.concurrency = concurrency
         self.read_timeout = read_timeout
         self.socket.setblocking(False)
-        self._wake_read, self._wake_write = socket.socketpair()
-        self._wake_read.setblocking(False)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._free = threading.BoundedSemaphore(concurrency)
