@@ -25,7 +25,7 @@ from types import FrameType
 
 from aiosync.cli.args import build_parser
 from aiosync.cli.channel_flags import check_channel_flags
-from aiosync.cli.checks import CommandError, resolve_device
+from aiosync.cli.checks import CommandError, check_model_size, resolve_device
 
 __all__ = ["main"]
 
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "device"):  # keygen has none
             args.device = resolve_device(args.device)
         check_channel_flags(args)
+        if hasattr(args, "size_mb"):
+            check_model_size(args.size_mb, args.device)
     except CommandError as exc:
         parser.error(str(exc))
     _unwind_on_signals()
@@ -107,5 +109,6 @@ def _exit_status(exc: BaseException, args: argparse.Namespace) -> int:
         traceback.print_exception(exc)
     if args.command in ("engine", "trainer"):  # the parent reads stdout, a person stderr
         emit("timeout" if isinstance(cause, NoVersionError) else "error", message=str(cause))
-    print(f"{prog}: {cause}", file=sys.stderr)
-    return 1
+    status = cause.status if isinstance(cause, CommandError) else 1
+    print(f"{prog}: {'error: ' if status == 2 else ''}{cause}", file=sys.stderr)
+    return status

@@ -1,8 +1,9 @@
 """The command line's arguments: the parser, one check per value, and ``--device auto``.
 
-Every value is checked by argparse itself (a ``type=`` function per kind of number), so a
-bad one ends with the usage and a one-line error, never a traceback. ``--log-level`` is
-accepted before or after the subcommand.
+Every value is checked by argparse itself (a ``type=`` function per kind of number, size,
+port or address), so a bad one ends with the usage and a one-line error, never a traceback.
+``--log-level`` is accepted before or after the subcommand. Building the parser imports no
+torch, so ``--help`` and ``--version`` answer at once.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from aiosync import __version__
 from aiosync.cli.checks import (
     LOG_LEVELS,
+    bind_endpoint,
+    connect_endpoint,
     device_name,
     log_level,
     non_negative_int,
     positive_float,
     positive_int,
+    size_mib,
+    size_mib_int,
 )
 
 DESCRIPTION = """\
@@ -74,7 +80,7 @@ def _subparser(sub: Any, name: str, help_text: str, description: str) -> argpars
 
 def _model(parser: argparse.ArgumentParser, *, timeout_help: str) -> None:
     parser.add_argument(
-        "--size-mb", type=positive_int, default=1024, metavar="MIB", help="model size in MiB"
+        "--size-mb", type=size_mib_int, default=1024, metavar="MIB", help="model size in MiB"
     )
     parser.add_argument(
         "--device",
@@ -121,7 +127,7 @@ def _buffers(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--buffer-mb",
-        type=positive_float,
+        type=size_mib,
         default=128.0,
         metavar="MIB",
         help="size of each shared buffer in MiB (fractions allowed)",
@@ -147,6 +153,7 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
         prog="aiosync", description=DESCRIPTION, formatter_class=_MainHelp
     )
     _log_level_option(parser, default="WARNING")
+    parser.add_argument("--version", action="version", version=f"aiosync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = _subparser(
@@ -214,6 +221,7 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     )
     trainer.add_argument(
         "--endpoint",
+        type=connect_endpoint,
         required=True,
         action="append",
         help="an engine's address (ipc:// or tcp://); repeat it to feed several engines",
@@ -234,6 +242,7 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--endpoint",
+        type=bind_endpoint,
         help="address to bind (ipc:// or tcp://); default: a socket in a new private directory",
     )
     engine.add_argument(

@@ -4,7 +4,8 @@ It prints one JSON line on stdout once serving, ``{"event": "ready", "publish": 
 "control": ..., "metrics": ...}``: trainers give ``publish`` to their ``WeightSender``,
 engines give ``control`` to a :class:`~aiosync.server.Subscriber`. SIGTERM and SIGINT
 cancel the server: transfers in flight are aborted, subscribers are told, and shared
-memory and private directories are released before the exit (status 143 and 130).
+memory and private directories are released before the exit (status 143 and 130). A metrics
+port that cannot be listened on (in use) ends it at once with one line and status 2.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ from __future__ import annotations
 import argparse
 import logging
 
-from aiosync.cli.checks import MiB, non_negative_int, positive_float, positive_int
+from aiosync.cli.checks import (
+    MiB,
+    OptionError,
+    bind_endpoint,
+    connect_endpoint,
+    port_number,
+    positive_float,
+    positive_int,
+    size_mib,
+)
 
 log = logging.getLogger(__name__)
 
@@ -20,17 +30,23 @@ log = logging.getLogger(__name__)
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's options."""
     parser.add_argument(
-        "--publish", metavar="ENDPOINT", help="where trainers connect (default: private ipc://)"
+        "--publish",
+        type=bind_endpoint,
+        metavar="ENDPOINT",
+        help="where trainers connect (default: private ipc://)",
     )
     parser.add_argument(
-        "--control", metavar="ENDPOINT", help="where engines subscribe (default: private ipc://)"
+        "--control",
+        type=bind_endpoint,
+        metavar="ENDPOINT",
+        help="where engines subscribe (default: private ipc://)",
     )
     parser.add_argument(
         "--retain", type=positive_int, default=2, metavar="N", help="versions kept at most"
     )
     parser.add_argument(
         "--retain-mb",
-        type=positive_float,
+        type=size_mib,
         default=None,
         metavar="MIB",
         help="shared memory for versions at most (must hold two versions); default: no bound",
@@ -44,7 +60,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=non_negative_int,
+        type=port_number,
         default=None,
         metavar="PORT",
         help="serve /metrics and /healthz on 127.0.0.1:PORT (0: any free port); default: off",
@@ -86,6 +102,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--upstream",
+        type=connect_endpoint,
         metavar="ENDPOINT",
         help="relay: pull every version from this server's control endpoint (tcp:// between "
         "machines) and serve it here",
@@ -166,7 +183,15 @@ def serve(args: argparse.Namespace) -> int:
 
             await anyio.sleep_forever()
 
-    run_role(main)
+    from aiosync.runtime import unwrap_group
+    from aiosync.server.metrics import MetricsAddressError
+
+    try:
+        run_role(main)
+    except BaseException as exc:
+        if isinstance(unwrap_group(exc), MetricsAddressError):
+            raise OptionError("--metrics-port", str(unwrap_group(exc))) from None
+        raise
     return 0
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack, ExitStack
 from typing import Any
 
-from aiosync.core.errors import UsageError
+from aiosync.core.errors import AiosyncError, UsageError
 from aiosync.server.config import ServerConfig
 from aiosync.server.fleet import FleetBook
 from aiosync.server.metrics_http import BoundedHTTPServer, HeadReadHandler
@@ -115,6 +115,10 @@ def _loopback(host: str) -> bool:
         return False
 
 
+class MetricsAddressError(AiosyncError):
+    """The metrics endpoint cannot listen on its port: in use, or not this user's to take."""
+
+
 class MetricsEndpoint:
     """A small HTTP server on a loopback address, in a thread of its own.
 
@@ -136,10 +140,17 @@ class MetricsEndpoint:
             raise UsageError(f"the metrics endpoint binds loopback only, not {host!r}")
         self._metrics = metrics
         self._health = health
+        if not 0 <= port <= 65535:
+            raise MetricsAddressError(f"metrics port {port} is not from 0 to 65535")
         handler = self._handler()
-        self._server = BoundedHTTPServer(
-            (host, port), handler, concurrency=concurrency, read_timeout=read_timeout
-        )
+        try:
+            self._server = BoundedHTTPServer(
+                (host, port), handler, concurrency=concurrency, read_timeout=read_timeout
+            )
+        except OSError as exc:
+            raise MetricsAddressError(
+                f"the metrics endpoint cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="aiosync-metrics", daemon=True
         )
