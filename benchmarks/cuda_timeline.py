@@ -125,14 +125,14 @@ def _probe_engine(model: dict[str, torch.Tensor], spec: dict[str, Any]) -> None:
     counter reaches ``n + 1``, copies, then sets its own counter to ``n + 1``.
     """
     from aiosync.core.layout import plan_buckets, tensor_bytes
+    from aiosync.planes.cuda import new_event, open_event
     from aiosync.planes.cuda_counters import wait_value, write_value
-    from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
 
     size = spec["size"]
     buffers = [DeviceMemory.open(bytes.fromhex(h), size, 0) for h in spec["handles"]]
-    packed = [_open_event(0, bytes.fromhex(h)) for h in spec["events"]]
-    made = [_new_event(0) for _ in buffers]
+    packed = [open_event(0, bytes.fromhex(h)) for h in spec["events"]]
+    made = [new_event(0) for _ in buffers]
     applied = [event for event, _ in made]
     signals = None
     if "signals" in spec:
@@ -186,15 +186,15 @@ def _probe(
     """
     from aiosync.bench.cuda_dropin import timed
     from aiosync.core.layout import pack_bucket, plan_buckets
+    from aiosync.planes.cuda import new_event, open_event
     from aiosync.planes.cuda_counters import wait_value, write_value
-    from aiosync.planes.cuda_legacy import _new_event, _open_event
     from aiosync.planes.cuda_runtime import DeviceMemory
 
     assert proc.stdin is not None
     assert proc.stdout is not None
     stdin, stdout = proc.stdin, proc.stdout
     buffers = [DeviceMemory.allocate(size, 0) for _ in range(count)]
-    made = [_new_event(0) for _ in buffers]
+    made = [new_event(0) for _ in buffers]
     packed = [event for event, _ in made]
     spec: dict[str, Any] = {"size": size, "handles": [b.handle.hex() for b in buffers]}
     spec["events"] = [handle.hex() for _, handle in made]
@@ -205,7 +205,7 @@ def _probe(
         spec["signals"] = counters.handle.hex()
     stdin.write("probe " + json.dumps(spec).replace(" ", "") + "\n")
     stdin.flush()
-    applied = [_open_event(0, bytes.fromhex(h)) for h in json.loads(stdout.readline())["events"]]
+    applied = [open_event(0, bytes.fromhex(h)) for h in json.loads(stdout.readline())["events"]]
     plans = list(plan_buckets(model.items(), size))
     stream = torch.cuda.current_stream()
     done = [0]  # buckets packed so far, over all versions: the counters' values

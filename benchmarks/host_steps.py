@@ -62,7 +62,7 @@ def measure(repeats: int) -> dict[str, Any]:
     """Every step's median on ``cuda:0``."""
     from aiosync.core.layout_memory import LayoutMemory
     from aiosync.core.manifest import unique_storage
-    from aiosync.planes.cuda_legacy import CudaLegacySenderPlane
+    from aiosync.planes.cuda import CudaSenderPlane
     from aiosync.planes.direct import DirectSenderPlane
     from aiosync.runtime import run
     from aiosync.trainer.direct import DirectReader
@@ -74,7 +74,7 @@ def measure(repeats: int) -> dict[str, Any]:
         )
         for name, shape in llama_layout(*LLAMA3_8B)
     }
-    plane = DirectSenderPlane(CudaLegacySenderPlane(device, 2, 1024 * MiB), device)
+    plane = DirectSenderPlane(CudaSenderPlane(device, 2, 1024 * MiB), device)
     reader = DirectReader(plane, True)
     layouts = LayoutMemory()
 

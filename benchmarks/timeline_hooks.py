@@ -130,7 +130,7 @@ def mark_phase(rec: Recorder, owner: Any, name: str, kind: str) -> None:
 def trainer_hooks(rec: Recorder) -> None:
     """Mark the trainer's steps: send, read, begin, each bucket's pack/send/ack, commit."""
     from aiosync.pipeline import ahead, fanout, links, stream
-    from aiosync.planes import cuda_legacy, shm
+    from aiosync.planes import cuda, shm
     from aiosync.trainer import direct, sender
 
     def send(orig: Any) -> Any:
@@ -220,7 +220,7 @@ def trainer_hooks(rec: Recorder) -> None:
     _wrap(sender, "read_source", read_source)
     _wrap(direct.DirectReader, "read", read_source)  # direct mode reads through this
     _wrap(direct.DirectReader, "read_kept", read_source)  # or this, on the loop
-    _wrap(cuda_legacy, "_pack", pack_bucket)
+    _wrap(cuda, "_pack", pack_bucket)
     _wrap(shm, "pack_bucket", pack_bucket)
     _wrap(fanout.BucketFanout, "_pack_next", pack_next)
     _wrap(ahead, "pack_plan", pack_ahead)

@@ -59,10 +59,10 @@ def old_copies_switch() -> set[str]:
     """
     from aiosync.core.layout import pack_bucket
     from aiosync.engine import bulk_apply
-    from aiosync.planes import cuda_copies, cuda_legacy
+    from aiosync.planes import cuda, cuda_copies
 
     mode: set[str] = set()
-    new_pack = cuda_legacy._pack
+    new_pack = cuda._pack
     new_apply = bulk_apply.CopyPrograms.apply_parts
     new_queue = cuda_copies.DeviceCopies.queue
 
@@ -97,7 +97,7 @@ def old_copies_switch() -> set[str]:
         return [] if "g" in mode else taken
 
     cuda_copies._take_gates = gates
-    cuda_legacy._pack = pack  # type: ignore[assignment]
+    cuda._pack = pack  # type: ignore[assignment]
     bulk_apply.CopyPrograms.apply_parts = apply  # type: ignore[method-assign]
     cuda_copies.DeviceCopies.queue = queue  # type: ignore[method-assign]
     return mode

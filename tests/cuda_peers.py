@@ -9,7 +9,9 @@ engine holds every tensor on its GPU). Version ``v``'s values are a function of 
 ``--profile-from`` to that of the last version, with ``--versions``). ``--die-after K``
 exits (SIGKILL-like, ``os._exit``) while applying its K-th bucket.
 ``trainer``: sends ``--versions`` versions to ``--endpoint``; prints ``sent`` (version,
-digests) after each, and ``profile`` with ``--profile-from``.
+digests) after each, and ``profile`` with ``--profile-from``. ``reader``: opens a plane spec
+(``--spec``, msgpack in hex) and prints ``read`` (its events, the digest of ``--bytes`` bytes
+of buffer 0, read without waiting).
 """
 
 from __future__ import annotations
@@ -151,11 +153,11 @@ def waiting_engine(args: argparse.Namespace) -> None:
     trainer never sets, then close the plane: the close must let the stream go."""
     import msgspec
 
-    from aiosync.core.wire import CudaLegacyPlaneSpec
-    from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
+    from aiosync.core.wire import CudaPlaneSpec
+    from aiosync.planes.cuda import CudaReceiverPlane
 
-    spec = msgspec.msgpack.decode(bytes.fromhex(args.spec), type=CudaLegacyPlaneSpec)
-    plane = CudaLegacyReceiverPlane(spec, torch.device(args.device))
+    spec = msgspec.msgpack.decode(bytes.fromhex(args.spec), type=CudaPlaneSpec)
+    plane = CudaReceiverPlane(spec, torch.device(args.device))
     target = torch.zeros(16, dtype=torch.uint8, device=args.device)
     plane.wait_after(1)
     target.copy_(plane.view(0, 16))  # queued behind the wait
@@ -167,9 +169,23 @@ def waiting_engine(args: argparse.Namespace) -> None:
     emit("closed", copied=target.tolist())
 
 
+def reader(args: argparse.Namespace) -> None:
+    """Open an unordered plane (its spec in hex) and read its first buffer at once (no wait)."""
+    import msgspec
+
+    from aiosync.core.wire import CudaPlaneSpec
+    from aiosync.planes import open_receiver_plane
+
+    spec = msgspec.msgpack.decode(bytes.fromhex(args.spec), type=CudaPlaneSpec)
+    plane = open_receiver_plane(spec, torch.device(args.device))
+    view = plane.view(0, args.bytes)
+    emit("read", events=list(getattr(plane, "events", [])), digest=digest(view.clone()))
+    plane.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["engine", "trainer", "waiting_engine"])
+    parser.add_argument("role", choices=["engine", "trainer", "waiting_engine", "reader"])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--endpoint", default=None)
     parser.add_argument("--versions", type=int, default=1)
@@ -177,8 +193,10 @@ def main() -> None:
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--spec", default="")
+    parser.add_argument("--bytes", type=int, default=0)
     args = parser.parse_args()
     roles = {"engine": engine, "trainer": trainer, "waiting_engine": waiting_engine}
+    roles["reader"] = reader
     roles[args.role](args)
 
 

@@ -16,7 +16,7 @@ from aiosync.compat.nemo_rl import (
     get_handle_from_tensor,
     stream_weights_via_ipc_zmq_impl,
 )
-from aiosync.planes.cuda_ipc import ipc_handle_to_plain
+from aiosync.planes.cuda_handles import ipc_handle_to_plain
 from aiosync.runtime import child_env
 from tests.conftest import requires_cuda
 from tests.models import digest, mixed_weights
@@ -29,7 +29,7 @@ only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 CHILD = """
 import json, sys, torch
 from aiosync.compat.nemo_rl import rebuild_cuda_tensor_from_ipc
-from aiosync.planes.cuda_ipc import ipc_handle_from_plain
+from aiosync.planes.cuda_handles import ipc_handle_from_plain
 t = rebuild_cuda_tensor_from_ipc(ipc_handle_from_plain(json.loads(sys.argv[1])), 0)
 assert torch.equal(t, torch.arange(t.numel(), dtype=t.dtype, device=t.device)), "content"
 t[0] = -1.0

@@ -33,8 +33,8 @@ def sources() -> dict[str, torch.Tensor]:
 
 
 def test_pack_by_address_writes_what_pack_bucket_writes() -> None:
+    from aiosync.planes.cuda import _pack
     from aiosync.planes.cuda_copies import DeviceCopies
-    from aiosync.planes.cuda_legacy import _pack
     from aiosync.planes.cuda_runtime import DeviceMemory
 
     capacity = 8192

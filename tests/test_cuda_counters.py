@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import torch
 
+from aiosync.planes.cuda import CudaSenderPlane
 from aiosync.planes.cuda_counters import reached, wait_value, write_now, write_value
-from aiosync.planes.cuda_legacy import CudaLegacySenderPlane
 from tests.conftest import requires_cuda
 from tests.peer_processes import first
 from tests.peer_processes import process as peer_process
@@ -56,7 +56,7 @@ def test_the_counter_compares_across_its_wrap() -> None:
 
 
 def test_an_engine_closing_its_plane_lets_go_of_its_own_stream_and_no_other() -> None:
-    plane = CudaLegacySenderPlane(torch.device("cuda:0"), 1, 4096)
+    plane = CudaSenderPlane(torch.device("cuda:0"), 1, 4096)
     try:
         plane._buffers[0].tensor.fill_(7)
         torch.cuda.synchronize()
@@ -81,7 +81,7 @@ def test_arm_pack_and_disarm_set_the_engines_words_once_each() -> None:
     from aiosync.core.errors import AiosyncError
     from aiosync.core.layout import plan_buckets
 
-    plane = CudaLegacySenderPlane(torch.device("cuda:0"), 2, 1 << 20)
+    plane = CudaSenderPlane(torch.device("cuda:0"), 2, 1 << 20)
     try:
         assert plane._counter is not None
         counters = plane._counter.tensor

@@ -88,8 +88,8 @@ def test_legacy_handles_and_the_same_stream_with_expandable_segments_on() -> Non
             sys.executable,
             "-c",
             "import json, torch\n"
-            "from aiosync.planes.cuda_legacy import CudaLegacySenderPlane\n"
-            "plane = CudaLegacySenderPlane(torch.device('cuda:0'), 2, 1 << 20)\n"
+            "from aiosync.planes.cuda import CudaSenderPlane\n"
+            "plane = CudaSenderPlane(torch.device('cuda:0'), 2, 1 << 20)\n"
             "t = torch.empty(1 << 20, dtype=torch.uint8, device='cuda:0')\n"
             "torch_handle = t.untyped_storage()._share_cuda_()[1]\n"
             "print(json.dumps({'ours': [len(h) for h in plane.spec.handles],\n"

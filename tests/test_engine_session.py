@@ -42,8 +42,7 @@ from aiosync.core.wire import (
     Bucket,
     Commit,
     Complete,
-    CudaIpcHandle,
-    CudaIpcPlaneSpec,
+    CudaPlaneSpec,
     Goodbye,
     Hello,
     Message,
@@ -278,8 +277,7 @@ def test_ready_carries_the_committed_version(current: int | None) -> None:
 
 def test_hello_with_a_cuda_plane() -> None:
     engine = machine()
-    handle = CudaIpcHandle(0, b"h", 8192, 0, b"r", 0, None, False, 8192)
-    cuda = CudaIpcPlaneSpec([handle])
+    cuda = CudaPlaneSpec(0, 8192, [b"h" * 64])
     assert engine.receive(PEER, Hello(2, 2, SESSION, "t", cuda), 0.0) == [OpenPlane(PEER, cuda)]
     engine.plane_opened(PEER)
     assert engine.sessions[PEER].sizes == [8192]

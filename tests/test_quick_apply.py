@@ -149,12 +149,12 @@ async def test_user_code_staging_and_renames_never_run_on_the_loop(kind: str) ->
 
 def test_only_planes_whose_views_never_wait_take_part() -> None:
     from aiosync.planes.collective_receiver import CollectiveReceiverPlane
-    from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
+    from aiosync.planes.cuda import CudaReceiverPlane
     from aiosync.planes.direct import DirectReceiverPlane
     from aiosync.planes.gathered import GatheredReceiverPlane
     from aiosync.planes.shm import ShmReceiverPlane
 
-    for plane in (ShmReceiverPlane, CudaLegacyReceiverPlane, DirectReceiverPlane):
+    for plane in (ShmReceiverPlane, CudaReceiverPlane, DirectReceiverPlane):
         assert quick_apply.views_at_once(plane)
     for plane in (CollectiveReceiverPlane, GatheredReceiverPlane, object()):
         assert not quick_apply.views_at_once(plane)  # a broadcast may block its deadline

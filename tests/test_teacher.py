@@ -297,7 +297,7 @@ def test_cuda_alloc_reuse_grow() -> None:
 CHILD_CUDA = """
 import json, sys
 import torch
-from aiosync.planes.cuda_ipc import ipc_handle_from_plain
+from aiosync.planes.cuda_handles import ipc_handle_from_plain
 from aiosync.compat.teacher import open_teacher_ipc_buffer
 handle = ipc_handle_from_plain(json.loads(sys.argv[1]))
 buf = open_teacher_ipc_buffer(handle, device_id=0)
@@ -314,7 +314,7 @@ print("child ok")
 @pytest.mark.gpu
 @needs_cuda
 def test_cross_process_cuda_ipc() -> None:
-    from aiosync.planes.cuda_ipc import ipc_handle_to_plain
+    from aiosync.planes.cuda_handles import ipc_handle_to_plain
 
     dev = torch.device("cuda", 0)
     storage, handle = ensure(None, None, (2, 3, 4, 5), device=dev)

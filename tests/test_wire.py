@@ -38,9 +38,8 @@ from aiosync.core.wire import (
     CollectivePlaneSpec,
     Commit,
     Complete,
-    CudaIpcHandle,
-    CudaIpcPlaneSpec,
     CudaLegacyPlaneSpec,
+    CudaPlaneSpec,
     CudaRegion,
     DirectPlaneSpec,
     GatheredPlaneSpec,
@@ -56,16 +55,13 @@ from aiosync.core.wire import (
     encode,
 )
 
-CUDA_HANDLE = CudaIpcHandle(
+CUDA_PLANE = CudaPlaneSpec(
     device=1,
-    handle=b"\x00\x01\x02ipc-handle\xff",
-    storage_size=1 << 20,
-    storage_offset=0,
-    ref_counter_handle=b"refcount",
-    ref_counter_offset=16,
-    event_handle=b"event\x00",
-    event_sync_required=True,
     size=1 << 20,
+    handles=[b"\x00\x01\x02ipc-handle\xff" + b"h" * 50, b"i" * 64],
+    events=[b"event\x00" + b"e" * 58, b"f" * 64],
+    counter=b"c" * 64,
+    counter_word=7,
 )
 
 MANIFEST = [
@@ -97,10 +93,10 @@ SAMPLES: list[Any] = [
         7,
         "session-2",
         "trainer-1",
-        CudaIpcPlaneSpec([CUDA_HANDLE, CudaIpcHandle(0, b"", 0, 0, b"", 0, None, False, 0)]),
+        CUDA_PLANE,
     ),
     Hello(0, 0, "", "", ShmPlaneSpec([])),
-    Hello(2, 2, "s", "t", CudaLegacyPlaneSpec(1, 4096, [b"h" * 64, b"i" * 64], [b"e" * 64] * 2)),
+    Hello(2, 2, "s", "t", CudaPlaneSpec(1, 4096, [b"h" * 64, b"i" * 64])),  # no events
     Hello(
         2, 2, "s", "t", CollectivePlaneSpec("gloo", "127.0.0.1", 1234, "ab" * 16, "g", 3, 2, 4096)
     ),
@@ -110,11 +106,11 @@ SAMPLES: list[Any] = [
         "s",
         "t",
         GatheredPlaneSpec(
-            [ShmPlaneSpec([ShmHandle("a", 1024)]), CudaLegacyPlaneSpec(0, 2048, [b"h" * 64])]
+            [ShmPlaneSpec([ShmHandle("a", 1024)]), CudaPlaneSpec(0, 2048, [b"h" * 64])]
         ),
     ),
     Hello(2, 2, "s", "t", DirectPlaneSpec(ShmPlaneSpec([ShmHandle("a", 1024)]), 1 << 30)),
-    Hello(2, 2, "s", "t", DirectPlaneSpec(CudaLegacyPlaneSpec(0, 2048, [b"h" * 64]), 9, b"e" * 64)),
+    Hello(2, 2, "s", "t", DirectPlaneSpec(CudaPlaneSpec(0, 2048, [b"h" * 64]), 9, b"e" * 64)),
     Ready("session-1", PROTOCOL_MAX, None),
     Ready("session-1", 2, 0),
     Ready("session-1", 2, 2**62),
@@ -190,16 +186,16 @@ def test_every_message_type_is_sampled() -> None:
         Challenge,
     }
     planes = {type(m.plane) for m in SAMPLES if isinstance(m, Hello)}
-    kinds = {ShmPlaneSpec, CudaIpcPlaneSpec, CudaLegacyPlaneSpec, CollectivePlaneSpec}
+    kinds = {ShmPlaneSpec, CudaPlaneSpec, CollectivePlaneSpec}
     kinds |= {GatheredPlaneSpec, DirectPlaneSpec}
     assert planes == set(typing.get_args(wire.PlaneSpec)) == kinds
     handles = {
         type(h)
         for m in SAMPLES
-        if isinstance(m, Hello) and isinstance(m.plane, ShmPlaneSpec | CudaIpcPlaneSpec)
+        if isinstance(m, Hello) and isinstance(m.plane, ShmPlaneSpec)
         for h in m.plane.buffers
     }
-    assert handles == {ShmHandle, CudaIpcHandle}
+    assert handles == {ShmHandle}
     buckets = [m for m in SAMPLES if isinstance(m, Bucket)]
     assert any(b.slots for b in buckets)
     assert any(b.specs for b in buckets)
@@ -253,11 +249,13 @@ def test_round_trip_keeps_manifest_entries() -> None:
 def test_round_trip_keeps_plane_and_handle_kinds() -> None:
     got = decode(encode(SAMPLES[1]))
     assert isinstance(got, Hello)
-    assert isinstance(got.plane, CudaIpcPlaneSpec)
-    assert [type(h) for h in got.plane.buffers] == [CudaIpcHandle, CudaIpcHandle]
-    assert got.plane.buffers[0] == CUDA_HANDLE
-    assert got.plane.buffers[1].event_handle is None
-    assert got.plane.sizes == [1 << 20, 0]
+    assert isinstance(got.plane, CudaPlaneSpec)
+    assert got.plane == CUDA_PLANE
+    assert got.plane.sizes == [1 << 20, 1 << 20]
+    unordered = decode(encode(SAMPLES[3]))
+    assert isinstance(unordered, Hello)
+    assert isinstance(unordered.plane, CudaPlaneSpec)
+    assert (unordered.plane.events, unordered.plane.counter) == ([], b"")
     assert (got.protocol_min, got.protocol_max) == (1, 7)
     shm = decode(encode(SAMPLES[0]))
     assert isinstance(shm, Hello)
@@ -351,7 +349,7 @@ def test_wire_format_is_documented_map() -> None:
             "buffers": [{"type": "shm", "name": "aiosync-1-2-0123456789abcdef", "size": 4096}],
         },
     }
-    assert msgspec.msgpack.decode(encode(SAMPLES[1]))["plane"]["type"] == "cuda_ipc"
+    assert msgspec.msgpack.decode(encode(SAMPLES[1]))["plane"]["type"] == "cuda"
     assert msgspec.msgpack.decode(encode(Commit(12, 5))) == {
         "type": "commit",
         "version": 12,
@@ -639,8 +637,8 @@ def test_top_level_array_is_protocol_error() -> None:
         with_(HELLO, plane={"type": "shm", "buffers": [["shm", "b", 512]]}),
         with_(HELLO, plane={"type": "shm", "buffers": [{"type": "cuda", "device": 0}]}),
         # a CUDA handle in a shared-memory plane (and the other way round) is not a plane
-        with_(HELLO, plane={"type": "shm", "buffers": [msgspec.to_builtins(CUDA_HANDLE)]}),
-        with_(HELLO, plane={"type": "cuda_ipc", "buffers": SHM_PLANE["buffers"]}),
+        with_(HELLO, plane={"type": "shm", "buffers": [msgspec.to_builtins(CUDA_PLANE)]}),
+        with_(HELLO, plane={"type": "cuda", "buffers": SHM_PLANE["buffers"]}),
         with_(READY, version="3"),
         with_(READY, version=1.5),
         with_(READY, protocol=None),
@@ -701,13 +699,19 @@ def test_missing_plane_or_handle_field_is_protocol_error() -> None:
         handle = without(SHM_PLANE["buffers"][0], key)
         err = assert_rejected(enc(with_(HELLO, plane={"type": "shm", "buffers": [handle]})))
         assert key in str(err)
-    cuda = msgspec.msgpack.decode(encode(CUDA_HANDLE))
-    for key in cuda:
-        if key == "type":
-            continue
-        plane = {"type": "cuda_ipc", "buffers": [without(cuda, key)]}
-        err = assert_rejected(enc(with_(HELLO, plane=plane)))
+    cuda = msgspec.msgpack.decode(encode(CUDA_PLANE))
+    for key in ("device", "size", "handles"):  # events, counter and its word may be left out
+        err = assert_rejected(enc(with_(HELLO, plane=without(cuda, key))))
         assert key in str(err)
+
+
+@pytest.mark.parametrize("tag", ["cuda_ipc", "cuda_legacy"])
+def test_the_two_plane_builds_cuda_tags_are_refused(tag: str) -> None:
+    """One CUDA plane, tagged ``cuda``: a hello naming the old planes' tags is refused."""
+    cuda = msgspec.msgpack.decode(encode(CUDA_PLANE))
+    err = assert_rejected(enc(with_(HELLO, plane={**cuda, "type": tag})))
+    assert "type" in str(err)
+    assert CudaLegacyPlaneSpec is CudaPlaneSpec  # the old name still imports
 
 
 def test_uint64_max_decodes_as_a_number() -> None:

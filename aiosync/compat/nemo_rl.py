@@ -54,7 +54,7 @@ from aiosync.compat.policy import (
 from aiosync.compat.teacher import aggregate_per_sample_handles, ensure_teacher_ipc_buffer
 from aiosync.core import layout
 from aiosync.core.layout import ALIGNMENT, materialize
-from aiosync.planes import cuda_ipc
+from aiosync.planes import cuda_handles
 from aiosync.runtime import unwrap_group
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def get_handle_from_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
     Raises ``ValueError`` (also an ``AiosyncError``) for a tensor that is not on CUDA.
     """
     with _nemo_rl_errors():
-        return cuda_ipc.get_handle_from_tensor(tensor)
+        return cuda_handles.get_handle_from_tensor(tensor)
 
 
 def rebuild_cuda_tensor_from_ipc(cuda_ipc_handle: tuple[Any, ...], device_id: int) -> torch.Tensor:
@@ -138,7 +138,7 @@ def rebuild_cuda_tensor_from_ipc(cuda_ipc_handle: tuple[Any, ...], device_id: in
     ``RuntimeError`` (also an ``AiosyncError``).
     """
     with _nemo_rl_errors():
-        return cuda_ipc.rebuild_cuda_tensor_from_ipc(cuda_ipc_handle, device_id)
+        return cuda_handles.rebuild_cuda_tensor_from_ipc(cuda_ipc_handle, device_id)
 
 
 def stream_weights_via_ipc_zmq_impl(

@@ -4,8 +4,8 @@ A teacher writes its logits for ``N_mb`` microbatches into one ``[N_mb, B, T, V]
 and hands students a plain-data *handle* from which they open the same memory:
 
 * CUDA storage travels as CUDA IPC: the handle is the tuple of
-  :func:`aiosync.planes.cuda_ipc.get_handle_from_tensor`, opened with
-  :func:`aiosync.planes.cuda_ipc.rebuild_cuda_tensor_from_ipc`.
+  :func:`aiosync.planes.cuda_handles.get_handle_from_tensor`, opened with
+  :func:`aiosync.planes.cuda_handles.rebuild_cuda_tensor_from_ipc`.
 * CPU storage lives in an aiosync POSIX shared-memory segment (:class:`ShmSegment`); its
   handle is ``("aiosync-teacher-shm", name, size, dtype_name, shape)``, built only of
   ``str``/``int``/tuples, so it survives pickling and a JSON round trip (which turns the
@@ -43,7 +43,7 @@ from aiosync.compat.errors import (
 from aiosync.core import layout
 from aiosync.core.layout import dtype_from_name
 from aiosync.core.wire import ShmHandle
-from aiosync.planes.cuda_ipc import get_handle_from_tensor, rebuild_cuda_tensor_from_ipc
+from aiosync.planes.cuda_handles import get_handle_from_tensor, rebuild_cuda_tensor_from_ipc
 from aiosync.planes.shm import ShmSegment
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
 """What one trainer rank says about its share of a bucket, and its msgpack codec (pure).
 
 A :class:`RankPart` names the buffer holding the rank's packed bucket (a shared-memory
-segment on the CPU, a CUDA IPC allocation on a GPU: the handles of :mod:`aiosync.planes`)
-and where each tensor lies in it. Parts travel as msgpack bytes: gathered to the engine's
-source rank in a ``uint8`` tensor, then handed to the engine. Never pickle: whoever decodes
-one treats it as hostile, and :func:`decode_part` returns a checked part or raises
-:class:`~aiosync.core.errors.ProtocolError`.
+segment on the CPU, a ``cudaMalloc`` allocation's legacy IPC handle on a GPU: the buffers of
+:mod:`aiosync.planes`) and where each tensor lies in it. Parts travel as msgpack bytes:
+gathered to the engine's source rank in a ``uint8`` tensor, then handed to the engine. Never
+pickle: whoever decodes one treats it as hostile, and :func:`decode_part` returns a checked
+part or raises :class:`~aiosync.core.errors.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import msgspec
 
 from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec, validate_specs
-from aiosync.core.wire import CudaIpcHandle, ShmHandle
+from aiosync.core.wire import CudaRegion, ShmHandle
 
 MAX_PART_BYTES = 64 * 1024 * 1024
 """Most bytes one encoded part may have (a part lists specs, never tensor data)."""
@@ -42,7 +42,7 @@ class RankPart(msgspec.Struct, frozen=True, tag="colocated_part"):
     seq: int
     last: bool = False
     commit: bool = False
-    buffer: ShmHandle | CudaIpcHandle | None = None
+    buffer: ShmHandle | CudaRegion | None = None
     used: int = 0
     specs: list[TensorSpec] = []
     error: str | None = None

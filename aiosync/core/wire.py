@@ -44,20 +44,6 @@ class ShmHandle(msgspec.Struct, frozen=True, tag="shm"):
     size: int
 
 
-class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda"):
-    """A CUDA allocation exported for IPC: the plain-data fields of a torch storage handle."""
-
-    device: int
-    handle: bytes
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
-    size: int
-
-
 class ShmPlaneSpec(msgspec.Struct, frozen=True, tag="shm"):
     """A data plane of shared-memory buffers on this host."""
 
@@ -69,22 +55,12 @@ class ShmPlaneSpec(msgspec.Struct, frozen=True, tag="shm"):
         return [handle.size for handle in self.buffers]
 
 
-class CudaIpcPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_ipc"):
-    """A data plane of CUDA buffers exported through CUDA IPC."""
-
-    buffers: list[CudaIpcHandle]
-
-    @property
-    def sizes(self) -> list[int]:
-        """Bytes of each buffer, in the order buckets name them."""
-        return [handle.size for handle in self.buffers]
-
-
-class CudaLegacyPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_legacy"):
+class CudaPlaneSpec(msgspec.Struct, frozen=True, tag="cuda"):
     """CUDA buffers of ``size`` bytes on ``device`` with legacy IPC handles (``cudaMalloc``).
 
     ``handles`` are ``cudaIpcMemHandle_t`` bytes, ``events`` one ``cudaIpcEventHandle_t``
-    per buffer, recorded once a bucket is packed there (see :mod:`aiosync.planes.cuda_legacy`).
+    per buffer, recorded once a bucket is packed there (see :mod:`aiosync.planes.cuda`);
+    none: the trainer packed each bucket before sending it, and the engine synchronises.
     ``counter``: the handle of the trainer's counters, device memory whose 32-bit word
     ``counter_word`` is this engine's: the trainer sets it as it packs a bucket sent ahead
     (``Bucket.after``); empty: none.
@@ -101,6 +77,10 @@ class CudaLegacyPlaneSpec(msgspec.Struct, frozen=True, tag="cuda_legacy"):
     def sizes(self) -> list[int]:
         """Bytes of each buffer, in the order buckets name them."""
         return [self.size] * len(self.handles)
+
+
+CudaLegacyPlaneSpec = CudaPlaneSpec
+"""The name :class:`CudaPlaneSpec` had until the one CUDA plane (tag ``cuda_legacy``)."""
 
 
 class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
@@ -142,7 +122,7 @@ class GatheredPlaneSpec(msgspec.Struct, frozen=True, tag="gathered"):
     :mod:`aiosync.planes.gathered`). ``sizes`` are the smallest of the parts' buffers.
     """
 
-    parts: list[ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec]
+    parts: list[ShmPlaneSpec | CudaPlaneSpec]
 
     @property
     def sizes(self) -> list[int]:
@@ -153,7 +133,11 @@ class GatheredPlaneSpec(msgspec.Struct, frozen=True, tag="gathered"):
 
 
 class CudaRegion(msgspec.Struct, frozen=True, tag="cuda_region"):
-    """A trainer's own ``cudaMalloc`` allocation of ``size`` bytes: its legacy IPC handle."""
+    """A trainer's own ``cudaMalloc`` allocation of ``size`` bytes: its legacy IPC handle.
+
+    Trainer memory in direct mode, or a colocated rank's buffer
+    (:class:`~aiosync.core.colocated_parts.RankPart`).
+    """
 
     handle: bytes
     size: int
@@ -173,7 +157,7 @@ class DirectPlaneSpec(msgspec.Struct, frozen=True, tag="direct"):
     starts; the engine's reads of its memory wait on it. See :mod:`aiosync.planes.direct`.
     """
 
-    ring: ShmPlaneSpec | CudaLegacyPlaneSpec
+    ring: ShmPlaneSpec | CudaPlaneSpec
     direct_bytes: int
     start_event: bytes = b""
 
@@ -183,14 +167,7 @@ class DirectPlaneSpec(msgspec.Struct, frozen=True, tag="direct"):
         return [*self.ring.sizes, self.direct_bytes]
 
 
-PlaneSpec = (
-    ShmPlaneSpec
-    | CudaIpcPlaneSpec
-    | CudaLegacyPlaneSpec
-    | CollectivePlaneSpec
-    | GatheredPlaneSpec
-    | DirectPlaneSpec
-)
+PlaneSpec = ShmPlaneSpec | CudaPlaneSpec | CollectivePlaneSpec | GatheredPlaneSpec | DirectPlaneSpec
 """How an engine reaches the bytes of buckets; new planes add a tagged member here."""
 
 

@@ -10,7 +10,7 @@ marked ``last`` and no bytes: first to prepare (the version covered what every s
 requires; nothing visible changes), then, once every engine of the fleet prepared, to
 commit (the prepared version becomes current). Every part is hostile input: decoded, its
 specs checked against the sink's expectations before any byte is copied, its buffer opened
-through :mod:`aiosync.planes` (sealed memfds on the CPU, CUDA IPC on a GPU) and closed
+through :mod:`aiosync.planes` (sealed memfds on the CPU, CUDA IPC handles on a GPU) and closed
 again when the version ends.
 """
 
@@ -21,12 +21,14 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
+import torch
+
 from aiosync.core.answers import WeightSyncResult
 from aiosync.core.colocated_parts import FORMAT, RankPart, decode_part
 from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations
-from aiosync.core.wire import CudaIpcHandle, CudaIpcPlaneSpec, ShmHandle, ShmPlaneSpec
+from aiosync.core.wire import CudaPlaneSpec, CudaRegion, PlaneSpec, ShmHandle, ShmPlaneSpec
 from aiosync.engine.sinks import WeightSink
 from aiosync.planes import ReceiverPlane, open_receiver_plane
 
@@ -36,10 +38,22 @@ OPEN_PER_GPU = 2
 """Buffers of one trainer rank kept open during a version (its packing ring)."""
 
 
+def _one_buffer(handle: ShmHandle | CudaRegion, device: torch.device) -> PlaneSpec:
+    """The plane of the one buffer a part names; a CUDA one opens on ``device``'s GPU.
+
+    It has no events: the trainer's packing was done before the part was sent.
+    """
+    if isinstance(handle, ShmHandle):
+        return ShmPlaneSpec([handle])
+    index = device.index if device.type == "cuda" and device.index is not None else None
+    gpu = torch.cuda.current_device() if index is None else index
+    return CudaPlaneSpec(device=gpu, size=handle.size, handles=[handle.handle])
+
+
 class _Opened:
     """One GPU's open buffer: the handle it was opened from and the plane holding it."""
 
-    def __init__(self, handle: ShmHandle | CudaIpcHandle, plane: ReceiverPlane) -> None:
+    def __init__(self, handle: ShmHandle | CudaRegion, plane: ReceiverPlane) -> None:
         self.handle = handle
         self.plane = plane
 
@@ -176,10 +190,7 @@ class ColocatedReceiver:
         while len(opened) >= OPEN_PER_GPU:  # the oldest is one the trainer replaced
             opened.pop(0).plane.close()
         sink = self._sinks[index]
-        spec = (
-            ShmPlaneSpec([handle]) if isinstance(handle, ShmHandle) else CudaIpcPlaneSpec([handle])
-        )
-        plane = open_receiver_plane(spec, sink.device, self._limits)
+        plane = open_receiver_plane(_one_buffer(handle, sink.device), sink.device, self._limits)
         opened.append(_Opened(handle, plane))
         return plane
 

@@ -16,8 +16,7 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import (
     CollectivePlaneSpec,
-    CudaIpcPlaneSpec,
-    CudaLegacyPlaneSpec,
+    CudaPlaneSpec,
     DirectPlaneSpec,
     GatheredPlaneSpec,
     PlaneSpec,
@@ -68,19 +67,15 @@ def create_sender_plane(
 ) -> SenderPlane:
     """A ring of ``count`` buffers of ``capacity`` bytes shareable from ``device``.
 
-    ``ordered`` (CUDA): aiosync's own buffers with legacy IPC handles, whose packing and
-    reading are chained by CUDA events instead of host waits (the pipeline's planes, see
-    :mod:`aiosync.planes.cuda_legacy`); otherwise :meth:`SenderPlane.pack` returns with the
-    bytes in place.
+    On CUDA, aiosync's own buffers with legacy IPC handles (:mod:`aiosync.planes.cuda`):
+    ``ordered``, their packing and reading are chained by CUDA events instead of host waits
+    (``WeightSender``'s); otherwise :meth:`SenderPlane.pack` returns with the bytes in
+    place (the colocated topologies').
     """
-    if device.type == "cuda" and ordered:
-        from aiosync.planes.cuda_legacy import CudaLegacySenderPlane
-
-        return CudaLegacySenderPlane(device, count, capacity)
     if device.type == "cuda":
-        from aiosync.planes.cuda_ipc import CudaIpcSenderPlane
+        from aiosync.planes.cuda import CudaSenderPlane
 
-        return CudaIpcSenderPlane(device, count, capacity)
+        return CudaSenderPlane(device, count, capacity, ordered=ordered)
     if device.type == "cpu":
         from aiosync.planes.shm import ShmSenderPlane
 
@@ -108,14 +103,10 @@ def open_receiver_plane(
         return ShmReceiverPlane(
             spec, max_buffers=limits.max_buffers, max_bytes=limits.max_session_bytes
         )
-    if isinstance(spec, CudaIpcPlaneSpec):
-        from aiosync.planes.cuda_ipc import CudaIpcReceiverPlane
+    if isinstance(spec, CudaPlaneSpec):
+        from aiosync.planes.cuda import CudaReceiverPlane
 
-        return CudaIpcReceiverPlane(spec, device)
-    if isinstance(spec, CudaLegacyPlaneSpec):
-        from aiosync.planes.cuda_legacy import CudaLegacyReceiverPlane
-
-        return CudaLegacyReceiverPlane(spec, device)
+        return CudaReceiverPlane(spec, device)
     if isinstance(spec, CollectivePlaneSpec):
         from aiosync.planes.collective_receiver import CollectiveReceiverPlane
 

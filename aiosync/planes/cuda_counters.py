@@ -9,7 +9,7 @@ the process that owns the memory sets it once its earlier work is done
 waits on was.
 
 The CUDA plane uses one to let an engine queue bucket 1's copies before the trainer packed
-it (:mod:`aiosync.planes.cuda_legacy`). Only the trainer writes its counter, into its own
+it (:mod:`aiosync.planes.cuda`). Only the trainer writes its counter, into its own
 memory, so a trainer never waits on a peer's counter and never writes a peer's memory; an
 engine's stream may wait on the trainer's, and the engine sets it itself (:func:`write_now`)
 only when its session ends with such a wait still pending.

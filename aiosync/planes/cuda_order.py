@@ -1,7 +1,7 @@
 """How an engine tells a CUDA plane that a bucket's copies are queued (no host wait).
 
-A plane that orders copies with CUDA events (:class:`~aiosync.planes.cuda_legacy.
-CudaLegacyReceiverPlane`) makes the applying thread's stream wait for the trainer's packing
+A plane that orders copies with CUDA events (:class:`~aiosync.planes.cuda.CudaReceiverPlane`)
+makes the applying thread's stream wait for the trainer's packing
 in :meth:`view`, and records its own event once the copies are queued (``applied(index)``);
 the trainer waits on that event before it packs the buffer again. The host never waits.
 While such an apply runs, :func:`sync_deferred` is true in that thread, and sinks skip their

@@ -1,7 +1,7 @@
 """Direct mode: engines copy a trainer's persistent tensors straight out of its memory.
 
-A direct plane is a ring plane (:mod:`aiosync.planes.shm` or :mod:`aiosync.planes.
-cuda_legacy`, which still carries every temporary: casts, gathered tensors) plus one more
+A direct plane is a ring plane (:mod:`aiosync.planes.shm` or :mod:`aiosync.planes.cuda`,
+which still carries every temporary: casts, gathered tensors) plus one more
 buffer index, the direct one. A bucket there is a :class:`DirectPlan`: no bytes are packed;
 it names its regions (blocks of trainer memory, :mod:`aiosync.planes.direct_regions`) and
 its specs' offsets run through those regions in order, each region taking its size rounded
@@ -37,7 +37,7 @@ from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec, calculate_aligned_size
 from aiosync.core.limits import Limits
 from aiosync.core.wire import (
-    CudaLegacyPlaneSpec,
+    CudaPlaneSpec,
     CudaRegion,
     DirectPlaneSpec,
     Region,
@@ -83,11 +83,11 @@ class DirectSenderPlane:
         self._start: torch.cuda.Event | None = None
         handle = b""
         if device.type == "cuda":
-            from aiosync.planes.cuda_legacy import _new_event
+            from aiosync.planes.cuda import new_event
 
-            self._start, handle = _new_event(_device_index(device))
+            self._start, handle = new_event(_device_index(device))
         ring_spec = ring.spec
-        if not isinstance(ring_spec, CudaLegacyPlaneSpec | ShmPlaneSpec):
+        if not isinstance(ring_spec, CudaPlaneSpec | ShmPlaneSpec):
             raise AiosyncError(f"direct mode cannot wrap a {type(ring_spec).__name__}")
         self._spec = DirectPlaneSpec(ring_spec, DIRECT_BYTES, handle)
         self._device = device
@@ -170,21 +170,21 @@ class DirectReceiverPlane:
 
         if spec.direct_bytes <= 0:
             raise AiosyncError(f"direct plane of {spec.direct_bytes} bytes")
-        self._cuda = isinstance(spec.ring, CudaLegacyPlaneSpec)
+        self._cuda = isinstance(spec.ring, CudaPlaneSpec)
         self._ring = open_receiver_plane(spec.ring, device, limits)
         self._direct = len(spec.ring.sizes)
         self._most = spec.direct_bytes
         self._max_bytes = min(spec.direct_bytes, (limits or Limits()).max_session_bytes)
         self._start: torch.cuda.Event | None = None
         self._device = 0
-        if isinstance(spec.ring, CudaLegacyPlaneSpec):
+        if isinstance(spec.ring, CudaPlaneSpec):
             index = device.index if device.type == "cuda" and device.index is not None else None
             self._device = spec.ring.device if index is None else index
             if spec.start_event:
-                from aiosync.planes.cuda_legacy import _open_event
+                from aiosync.planes.cuda import open_event
 
                 try:
-                    self._start = _open_event(self._device, spec.start_event)
+                    self._start = open_event(self._device, spec.start_event)
                 except BaseException:
                     self._ring.close()
                     raise

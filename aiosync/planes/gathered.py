@@ -14,7 +14,7 @@ sinks in rank order (:attr:`aiosync.topology.sink.RankedSink.part_devices`), and
 opens on ``devices[i]`` (:func:`part_devices`), since rank ``i``'s CUDA buffers live on the
 GPU of the engine's sink ``i``. The plane orders no copies with CUDA events: it has no
 ``events``, so a sink waits for its own device after each bucket (parts are the ranks'
-plain CUDA IPC planes, ``aiosync.planes.cuda_ipc``).
+CUDA planes without events, whose packing waits: :mod:`aiosync.planes.cuda`).
 
 The sender's :class:`GatheredSenderPlane` packs nothing itself: its ``pack`` calls the
 topology's function, which has the right rank pack its share into its own buffer

@@ -46,8 +46,7 @@ from aiosync.core.wire import (
     GOODBYE_SEQ,
     Ack,
     Complete,
-    CudaIpcPlaneSpec,
-    CudaLegacyPlaneSpec,
+    CudaPlaneSpec,
     GatheredPlaneSpec,
     Goodbye,
     ShmPlaneSpec,
@@ -69,7 +68,7 @@ LINK_SHARE = 0.4
 """Share of the groups' timeout a wait on the engine takes (a rank's wait spans two at most)."""
 
 PACK, END = 1, 2
-PartSpec = ShmPlaneSpec | CudaIpcPlaneSpec | CudaLegacyPlaneSpec
+PartSpec = ShmPlaneSpec | CudaPlaneSpec
 
 
 @dataclass(frozen=True)

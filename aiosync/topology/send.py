@@ -1,7 +1,7 @@
 """The trainer's side of a colocated sync: every covered rank hands its engine each bucket.
 
 Per bucket, each rank packs its tensors (one flattened buffer, any mix of dtypes) into a
-plane of :mod:`aiosync.planes` (a sealed memfd on the CPU, a CUDA IPC buffer on a GPU),
+plane of :mod:`aiosync.planes` (a sealed memfd on the CPU, an own CUDA buffer on a GPU),
 describes it as a :class:`~aiosync.core.colocated_parts.RankPart` and gathers the encoded bytes to
 its engine's source rank (:func:`~aiosync.topology.gather.gather_bytes`, no pickle). The
 source decodes them as hostile input and calls the engine's ``update_weights_from_tensor``
@@ -48,7 +48,7 @@ from aiosync.core.layout import (
     materialize,
     plan_buckets,
 )
-from aiosync.core.wire import CudaIpcPlaneSpec, ShmPlaneSpec
+from aiosync.core.wire import CudaPlaneSpec, CudaRegion, ShmHandle, ShmPlaneSpec
 from aiosync.handles import EngineHandle, ObjectHandle, as_engine_handle
 from aiosync.handles.ray_actor import is_ray_actor
 from aiosync.planes import SenderPlane, create_sender_plane
@@ -118,6 +118,15 @@ def as_handle(engine: object, index: int) -> tuple[EngineHandle, bool]:
     return as_engine_handle(engine, name=name), True
 
 
+def _buffer_of(spec: object) -> ShmHandle | CudaRegion:
+    """What a part names of a one-buffer plane: its segment, or its CUDA buffer's handle."""
+    if isinstance(spec, ShmPlaneSpec):
+        return spec.buffers[0]
+    if isinstance(spec, CudaPlaneSpec):
+        return CudaRegion(spec.handles[0], spec.size)
+    raise UsageError(f"a colocated part cannot name a {type(spec).__name__}")
+
+
 class _Packer:
     """One rank's buffer for its bucket parts, grown when a bucket needs more."""
 
@@ -148,10 +157,7 @@ class _Packer:
             plans = list(plan_buckets(pairs, plane.capacity, max_items=len(pairs) + 1))
             plan = plans[0] if plans else BucketPlan()
             plane.pack(0, plan)
-            spec = plane.spec
-            if not isinstance(spec, ShmPlaneSpec | CudaIpcPlaneSpec):
-                raise UsageError(f"a colocated part cannot name a {type(spec).__name__}")
-            handle = spec.buffers[0]
+            handle = _buffer_of(plane.spec)
             return RankPart(
                 self.rank, self.engine, seq, buffer=handle, used=plan.used, specs=plan.specs
             )

@@ -23,13 +23,17 @@ Bucket 1 may go before it is packed (protocol 4, with the ``begin`` sent before 
 trainer still reads its tensors. An event cannot order that (the engine's wait would cover
 the last version's record), so the trainer also owns counters, words of its own device
 memory, one per engine session (:mod:`aiosync.planes.cuda_counters`;
-:meth:`CudaLegacySenderPlane.spec_for_link` hands each its word):
-:meth:`CudaLegacySenderPlane.arm` gives the value the bucket's message names
+:meth:`CudaSenderPlane.spec_for_link` hands each its word):
+:meth:`CudaSenderPlane.arm` gives the value the bucket's message names
 (``Bucket.after``), the buffer's next pack sets every engine's word to it on the packing
 stream once its copies are queued, and each engine's stream waits until its word reaches
-it (:meth:`CudaLegacyReceiverPlane.wait_after`). The trainer only ever writes its own
+it (:meth:`CudaReceiverPlane.wait_after`). The trainer only ever writes its own
 memory; should an engine's session end while its stream still waits, the engine sets its
 own word when it closes the plane (never another engine's).
+
+Unordered (``ordered=False``, the colocated topologies'): no events and no counters;
+:meth:`CudaSenderPlane.pack` returns once the bytes are in place, and the engine, seeing a
+spec without events, reads at once and synchronises before it acks.
 
 Host time per bucket is kept short, since with two buffers the next pack can be queued
 only after an engine's ack: plain tensors on the buffer's device are queued by address
@@ -48,14 +52,8 @@ import torch
 
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.layout import BucketPlan, pack_bucket
-from aiosync.core.wire import CudaLegacyPlaneSpec
-from aiosync.planes.cuda_copies import (
-    CounterGate,
-    DeviceCopies,
-    hint_scope,
-    plain_jobs,
-    wait_gate,
-)
+from aiosync.core.wire import CudaPlaneSpec
+from aiosync.planes.cuda_copies import CounterGate, DeviceCopies, hint_scope, plain_jobs, wait_gate
 from aiosync.planes.cuda_counters import reached, write_now, write_value
 from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
@@ -71,18 +69,32 @@ COUNTER_MAX = 1 << 31
 """Counter values a bucket may name: 1 to this, each above the last (the word wraps at 2**32)."""
 
 
-def _new_event(device: int) -> tuple[torch.cuda.Event, bytes]:
+def new_event(device: int) -> tuple[torch.cuda.Event, bytes]:
     """An interprocess event on ``device`` and its IPC handle."""
     with torch.cuda.device(device):
         event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
         return event, bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
 
 
-def _open_event(device: int, handle: bytes) -> torch.cuda.Event:
+def open_event(device: int, handle: bytes) -> torch.cuda.Event:
+    """A peer's interprocess event, opened on ``device`` from its IPC handle."""
     if len(handle) != IPC_HANDLE_BYTES:
         raise AiosyncError(f"a CUDA IPC event handle has {IPC_HANDLE_BYTES} bytes")
     event: torch.cuda.Event = torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
     return event
+
+
+def allocate(size: int, device: int) -> DeviceMemory:
+    """``size`` bytes of own device memory, tried again once torch's cache is emptied.
+
+    (``cudaMalloc`` cannot use the blocks torch's caching allocator holds free.)
+    """
+    try:
+        return DeviceMemory.allocate(size, device)
+    except AiosyncError as exc:
+        log.info("%s: emptying torch's CUDA cache and trying again", exc)
+        torch.cuda.empty_cache()
+        return DeviceMemory.allocate(size, device)
 
 
 def _pack(
@@ -102,18 +114,22 @@ def _pack(
         pack_bucket(buffer.tensor, rest)
 
 
-class CudaLegacySenderPlane:
+class CudaSenderPlane:
     """A ring of ``count`` own device buffers of ``capacity`` bytes, packed without host waits.
 
     :meth:`begin_version` (on the caller's thread) takes the caller's current stream for the
     version's packing; :meth:`consumed` (on an engine's ack) names the engine event the
-    buffer's next packing waits on.
+    buffer's next packing waits on. ``ordered=False``: no events nor counters, and
+    :meth:`pack` returns with the bytes in place (the colocated topologies' buffers).
     """
 
-    def __init__(self, device: torch.device, count: int, capacity: int) -> None:
+    def __init__(
+        self, device: torch.device, count: int, capacity: int, *, ordered: bool = True
+    ) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._device = index
         self._capacity = capacity
+        self._ordered = ordered
         self._buffers: list[DeviceMemory] = []
         self._counter: DeviceMemory | None = None
         self._armed: tuple[int, int, list[int]] | None = None  # (buffer, value, words)
@@ -123,30 +139,36 @@ class CudaLegacySenderPlane:
         self._peer_events: dict[bytes, torch.cuda.Event] = {}
         try:
             for _ in range(count):
-                self._buffers.append(DeviceMemory.allocate(capacity, index))
-            self._counter = DeviceMemory.allocate(COUNTER_BYTES, index)
-            with torch.cuda.device(index):
-                self._counter.tensor.zero_()
-                torch.cuda.current_stream(index).synchronize()  # type: ignore[no-untyped-call]
+                self._buffers.append(allocate(capacity, index))
+            if ordered:
+                self._counter = allocate(COUNTER_BYTES, index)
+                with torch.cuda.device(index):
+                    self._counter.tensor.zero_()
+                    torch.cuda.current_stream(index).synchronize()  # type: ignore[no-untyped-call]
         except BaseException:
             self.close()
             raise
-        made = [_new_event(index) for _ in range(count)]
+        made = [new_event(index) for _ in range(count)] if ordered else []
         self._packed = [event for event, _ in made]
-        self._spec = CudaLegacyPlaneSpec(
+        self._spec = CudaPlaneSpec(
             device=index,
             size=capacity,
             handles=[buffer.handle for buffer in self._buffers],
             events=[handle for _, handle in made],
-            counter=self._counter.handle,
+            counter=b"" if self._counter is None else self._counter.handle,
         )
         self._stream: torch.cuda.Stream | None = None
         self._waits: list[list[bytes]] = [[] for _ in range(count)]
 
     @property
-    def spec(self) -> CudaLegacyPlaneSpec:
+    def spec(self) -> CudaPlaneSpec:
         """The buffers' and the packing events' IPC handles."""
         return self._spec
+
+    @property
+    def ordered(self) -> bool:
+        """Whether packing and reading are chained by events (else :meth:`pack` waits)."""
+        return self._ordered
 
     @property
     def capacity(self) -> int:
@@ -170,14 +192,14 @@ class CudaLegacySenderPlane:
         if index < len(events):
             self._waits[index].append(events[index])
 
-    def spec_for_link(self) -> tuple[CudaLegacyPlaneSpec, int | None]:
+    def spec_for_link(self) -> tuple[CudaPlaneSpec, int | None]:
         """The spec for one more engine session, with a counter word of its own, and the word.
 
         Each word is handed out once, so an engine that sets its word when its session
-        ends (:meth:`CudaLegacyReceiverPlane.close`) never lets another engine's reads go.
-        Past :data:`COUNTER_WORDS`: no counter (None).
+        ends (:meth:`CudaReceiverPlane.close`) never lets another engine's reads go.
+        Past :data:`COUNTER_WORDS`, or unordered: no counter (None).
         """
-        if self._words >= COUNTER_WORDS:
+        if self._counter is None or self._words >= COUNTER_WORDS:
             return msgspec.structs.replace(self._spec, counter=b""), None
         word, self._words = self._words, self._words + 1
         return msgspec.structs.replace(self._spec, counter_word=word), word
@@ -211,7 +233,7 @@ class CudaLegacySenderPlane:
         for handle in waits:
             event = self._peer_events.get(handle)
             if event is None:
-                event = self._peer_events[handle] = _open_event(self._device, handle)
+                event = self._peer_events[handle] = open_event(self._device, handle)
             events.append(event)
         return events
 
@@ -238,7 +260,7 @@ class CudaLegacySenderPlane:
         """Queue the bucket's copies after the engines' last reads of the buffer; no wait.
 
         If this buffer was armed (:meth:`arm`), the engines' counter words are set behind
-        the copies, on the same stream.
+        the copies, on the same stream. Unordered: waits until the copies are done.
         """
         stream = self._stream or torch.cuda.current_stream(self._device)
         with torch.cuda.device(self._device), torch.cuda.stream(stream), hint_scope():
@@ -246,12 +268,15 @@ class CudaLegacySenderPlane:
                 for event in self._last_reads(index):
                     wait_gate(stream, event)
                 _pack(self._buffers[index], plan, stream, self._copies)
-                self._packed[index].record(stream)
+                if self._packed:
+                    self._packed[index].record(stream)
             finally:  # a bucket sent ahead: its reads may go (after a failure too)
                 armed = self._armed
                 if armed is not None and armed[0] == index:
                     self._armed = None
                     self._set(stream, armed[1], armed[2])
+            if not self._ordered:  # the engine reads at once: the bytes must be there
+                stream.synchronize()  # type: ignore[no-untyped-call]
 
     async def publish(self, index: int, used: int) -> None:
         """Nothing to do: engines read the same device memory."""
@@ -273,12 +298,12 @@ class CudaLegacySenderPlane:
                 self._peer_events.clear()
 
 
-class CudaLegacyReceiverPlane:
-    """An engine's mappings of a trainer's buffers, and the events that order its reads."""
+class CudaReceiverPlane:
+    """An engine's mappings of a trainer's buffers, and the events (if any) that order its reads."""
 
     views_at_once = True  # a view never waits on the host (engine.quick_apply)
 
-    def __init__(self, spec: CudaLegacyPlaneSpec, device: torch.device) -> None:
+    def __init__(self, spec: CudaPlaneSpec, device: torch.device) -> None:
         index = device.index if device.type == "cuda" and device.index is not None else None
         self._device = spec.device if index is None else index
         if spec.events and len(spec.events) != len(spec.handles):
@@ -291,7 +316,7 @@ class CudaLegacyReceiverPlane:
         try:
             for handle in spec.handles:
                 self._buffers.append(DeviceMemory.open(handle, spec.size, self._device))
-            self._packed = [_open_event(self._device, handle) for handle in spec.events]
+            self._packed = [open_event(self._device, handle) for handle in spec.events]
             if spec.counter:
                 if not 0 <= spec.counter_word < COUNTER_WORDS:
                     raise AiosyncError(f"counter word {spec.counter_word} (0-{COUNTER_WORDS - 1})")
@@ -299,7 +324,7 @@ class CudaLegacyReceiverPlane:
         except BaseException:
             self.close()
             raise
-        made = [_new_event(self._device) for _ in spec.events]
+        made = [new_event(self._device) for _ in spec.events]
         self._applied = [event for event, _ in made]
         self.events = [handle for _, handle in made]
 
@@ -365,3 +390,9 @@ class CudaLegacyReceiverPlane:
             for buffer in self._buffers:
                 buffer.close()
             self._buffers.clear()
+
+
+CudaLegacySenderPlane = CudaSenderPlane
+"""The name :class:`CudaSenderPlane` had until the one CUDA plane (``cuda_legacy``)."""
+CudaLegacyReceiverPlane = CudaReceiverPlane
+"""The name :class:`CudaReceiverPlane` had until the one CUDA plane (``cuda_legacy``)."""
