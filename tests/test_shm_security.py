@@ -140,6 +140,8 @@ def hostile_memfd(
     try:
         os.fchmod(fd, mode)
         os.ftruncate(fd, size)
+        if size > 0:  # reserved, as a trainer's is: a sparse segment is refused
+            os.posix_fallocate(fd, 0, size)
         if uid is not None:
             os.fchown(fd, uid, uid)
         if seals:

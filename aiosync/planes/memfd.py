@@ -48,6 +48,7 @@ from aiosync.core.errors import AiosyncError
 from aiosync.planes.shm_files import (
     MODE,
     SHM_PREFIX,
+    _check_allocated,
     _check_descriptor,
     _check_free,
     _kind,
@@ -286,6 +287,7 @@ def _open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable:
             )
         if writable and seals & _WRITE_SEALS:
             raise AiosyncError(f"shared-memory segment {shown} is sealed against writing")
+        _check_allocated(info, shown)
     except OSError as exc:
         os.close(fd)
         raise AiosyncError(

@@ -250,6 +250,20 @@ def _check_descriptor(fd: int, name: str, size: int, *, links: int | None) -> os
     return info
 
 
+def _check_allocated(info: os.stat_result, shown: str) -> None:
+    """Refuse a sparse segment: its holes would be filled from the engine's memory.
+
+    A peer that only sized its file claims bytes it never took; reading them would make
+    the engine take them instead (a copy, or pages faulted into a mapping).
+    """
+    allocated = info.st_blocks * 512
+    if allocated < info.st_size:
+        raise AiosyncError(
+            f"shared-memory segment {shown} claims {info.st_size} bytes but holds only "
+            f"{allocated} (a sparse segment; its creator must reserve every byte)"
+        )
+
+
 def _open_file_segment(name: str, size: int, *, writable: bool) -> int:
     """Open ``/dev/shm/<name>`` once, without following links or creating; checked."""
     shown = _shown(name)
@@ -274,7 +288,7 @@ def _open_file_segment(name: str, size: int, *, writable: bool) -> int:
     finally:
         os.close(dirfd)
     try:
-        _check_descriptor(fd, name, size, links=1)
+        _check_allocated(_check_descriptor(fd, name, size, links=1), shown)
     except BaseException:
         os.close(fd)
         raise
@@ -314,16 +328,17 @@ class _CopiedBuffer:
         if self._fd is None:
             raise AiosyncError(f"shared-memory segment {self._shown} is closed")
         try:
-            actual = os.fstat(self._fd).st_size
+            actual = os.fstat(self._fd)
         except OSError as exc:
             raise AiosyncError(
                 f"shared-memory segment {self._shown} cannot be read ({exc.strerror})"
             ) from None
-        if actual != self._size:
+        if actual.st_size != self._size:
             raise AiosyncError(
-                f"shared-memory segment {self._shown} now holds {actual} bytes, not "
+                f"shared-memory segment {self._shown} now holds {actual.st_size} bytes, not "
                 f"{self._size}: its creator resized it"
             )
+        _check_allocated(actual, self._shown)
         if self._copy is None:
             self._copy = torch.empty(self._size, dtype=torch.uint8)
         out = self._copy[:used]
