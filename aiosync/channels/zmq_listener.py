@@ -53,6 +53,10 @@ log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under befo
 PEER_QUEUE = 256
 """Messages buffered per peer of a listener; beyond that a peer's messages are dropped."""
 
+QUEUED_MESSAGES = 2
+"""Largest messages' worth of bytes a peer may have held by a listener (queued, or read and
+not yet served); beyond that its messages are dropped."""
+
 PEER_SEND_HWM = 256
 """Replies a listener queues per peer; a peer that lets more pile up is dropped."""
 
@@ -101,6 +105,7 @@ class RouterPeer:
         delimited: bool,
         name: str,
         key: bytes | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self._listener = listener
         self.identity = identity  # the ZMQ routing id: for addressing only, never shown
@@ -111,6 +116,19 @@ class RouterPeer:
         self._lost = anyio.Event()
         self._dropped = False
         self._overflow = _Throttled("%s sends faster than it is served; messages dropped")
+        self._max_bytes = max_bytes
+        self._held = 0  # bytes queued, and of the message last read until the next recv
+        self._last = 0
+        self.overflowed = 0  # messages dropped for a full queue
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes held for this peer: queued, and the message last read until the next recv.
+
+        A reader that hands each message on before it reads the next (as a receiver does)
+        is so held to ``max_bytes`` for everything of this peer's it has not served.
+        """
+        return self._held
 
     @property
     def peer(self) -> str:
@@ -128,13 +146,21 @@ class RouterPeer:
         return self._lost
 
     def deliver(self, payload: bytes) -> None:
-        """Queue a message from the peer; dropped (and logged) when the queue is full."""
+        """Queue a message from the peer; dropped (and logged) when the queue is full.
+
+        Full: ``PEER_QUEUE`` messages, or ``max_bytes`` held with this one.
+        """
         try:
+            if self._max_bytes is not None and self._held + len(payload) > self._max_bytes:
+                raise anyio.WouldBlock
             self._tx.send_nowait(payload)
         except anyio.WouldBlock:
+            self.overflowed += 1
             self._overflow(self._peer)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
+        else:
+            self._held += len(payload)
 
     def end(self, *, dropped: bool) -> None:
         """Mark the peer lost; ``dropped``: also discard what it sent and is not yet read."""
@@ -152,16 +178,21 @@ class RouterPeer:
         """The next message the listener's accept loop delivered."""
         if self._dropped:
             raise PeerGoneError("peer was dropped", peer=self._peer)
+        self._held -= self._last  # the reader is done with the last one
+        self._last = 0
         try:
-            return await self._rx.receive()
+            payload = await self._rx.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             raise PeerGoneError("peer channel closed", peer=self._peer) from None
+        self._last = len(payload)
+        return payload
 
     async def aclose(self) -> None:
         """Forget the peer; a later message from the same identity makes a new channel."""
         self._listener.forget(self)
         self._tx.close()
         self._rx.close()
+        self._held = self._last = 0
 
 
 def _remover(path: Path | None, directory: Path | None) -> Callable[[], None]:
@@ -181,7 +212,8 @@ class ZmqListener:
 
     ``auth`` gives the keypair and the allowed client keys (CURVE), or allows plain tcp on
     loopback; ``send_hwm`` bounds the replies queued per peer; ``max_message_bytes``, if
-    given, makes libzmq disconnect a peer that sends a larger message. ``connecting``:
+    given, makes libzmq disconnect a peer that sends a larger message, and holds each peer to
+    ``QUEUED_MESSAGES`` such messages' bytes not yet served. ``connecting``:
     connect the ROUTER to ``endpoint``, which a peer binds, instead of binding it (the
     listener then stays the CURVE server, and its closing leaves the peer's socket file).
     """
@@ -209,6 +241,8 @@ class ZmqListener:
             raise
         self._ctx = PrivateContext()
         self._socket = self._ctx.socket(zmq.ROUTER)
+        most = max_message_bytes
+        self._peer_bytes = None if most is None else QUEUED_MESSAGES * most
         self._zap: zmq.asyncio.Socket | None = None
         self._allowed: frozenset[bytes] = frozenset()
         self._peers: dict[bytes, RouterPeer] = {}
@@ -315,6 +349,11 @@ class ZmqListener:
         return self._endpoint
 
     @property
+    def queued_bytes(self) -> int:
+        """Bytes its peers' messages hold here, not yet served (:attr:`RouterPeer.queued_bytes`)."""
+        return sum(peer.queued_bytes for peer in self._peers.values())
+
+    @property
     def curve(self) -> bool:
         """True when peers must authenticate with an allowed CURVE key."""
         return self._zap is not None
@@ -351,7 +390,14 @@ class ZmqListener:
                         known.deliver(payload)
                     continue
                 name = f"peer-{next(_peer_numbers)}"
-                peer = RouterPeer(self, identity, delimited=delimited, name=name, key=key)
+                peer = RouterPeer(
+                    self,
+                    identity,
+                    delimited=delimited,
+                    name=name,
+                    key=key,
+                    max_bytes=self._peer_bytes,
+                )
                 self._peers[identity] = peer
                 peer.deliver(payload)
                 return peer
