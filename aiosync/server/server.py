@@ -34,13 +34,16 @@ from aiosync.core.errors import (
     UsageError,
 )
 from aiosync.core.exception_groups import exit_as_one
+from aiosync.core.shares import Holder, half_of, holder, over_share
 from aiosync.engine.receiver import WeightReceiver
+from aiosync.planes.shm import ShmSegment
 from aiosync.runtime import require_asyncio
 from aiosync.server import messages as m
 from aiosync.server.admission import admit
 from aiosync.server.config import ServerConfig
 from aiosync.server.feed import counter, feed_version, gone_while_idle, is_refusal, retried
 from aiosync.server.fleet import FleetBook, SubscriberState, subscription_problem
+from aiosync.server.probe import HELLO_BOUND, probe, probe_segment
 from aiosync.server.relay import Relay, RelayDesk
 from aiosync.server.roles import SHARED
 from aiosync.server.store import RetainingSink, RetentionStore
@@ -72,6 +75,8 @@ class WeightServer:
         self._receiver: WeightReceiver | None = None
         self._listener: Any = None
         self._controls: dict[str, Channel] = {}
+        self._holders: dict[str, Holder] = {}  # whose share each control channel takes
+        self._probe: ShmSegment | None = None  # the one-page plane new receivers are probed on
         self._changed = anyio.Event()
         self._stack: AsyncExitStack | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
@@ -156,6 +161,8 @@ class WeightServer:
         stack = AsyncExitStack()
         try:
             stack.callback(self.store.close)
+            self._probe = probe_segment()
+            stack.callback(self._probe.close)
             from aiosync.server.metrics import open_metrics
 
             self.metrics, self._http = open_metrics(stack, self.config, self.health)
@@ -249,10 +256,13 @@ class WeightServer:
 
     async def _control(self, channel: Channel) -> None:
         """Serve one client's requests in order; a malformed one ends its channel."""
-        if len(self._controls) >= CONTROLS_PER_SUBSCRIBER * self.config.max_subscribers:
-            await self._reply(channel, m.Refused("too many control channels"))
+        most = CONTROLS_PER_SUBSCRIBER * self.config.max_subscribers
+        who = holder(channel.peer, getattr(channel, "key", None))
+        over = over_share(self._holders.values(), who, half_of(most))
+        if len(self._controls) >= most or over is not None:
+            await self._reply(channel, m.Refused(f"too many control channels ({over or most})"))
             return await channel.aclose()
-        self._controls[channel.peer] = channel
+        self._controls[channel.peer], self._holders[channel.peer] = channel, who
         subscriber: SubscriberState | None = None
         try:
             while True:
@@ -296,6 +306,7 @@ class WeightServer:
         finally:
             self.relays.release(channel.peer)
             self._controls.pop(channel.peer, None)
+            self._holders.pop(channel.peer, None)
             with anyio.CancelScope(shield=True):
                 await channel.aclose()
 
@@ -335,8 +346,8 @@ class WeightServer:
             except RejectedError as exc:
                 problem = exc.reason
             else:
-                problem = subscription_problem(*bounds)  # another may have come meanwhile
-                if problem is not None:
+                problem = await self._probed(channel, name) or subscription_problem(*bounds)
+                if problem is not None:  # (another may have come meanwhile)
                     await channel.aclose()
         if problem is not None:
             await self._reply(control, m.Refused(problem))
@@ -349,6 +360,13 @@ class WeightServer:
         await self._reply(control, self.status())
         return state
 
+    async def _probed(self, channel: Channel, name: str) -> str | None:
+        """Why ``name``'s receiver may not hold a slot: it did not answer a hello promptly."""
+        assert self._probe is not None
+        sender = self.config.name or f"server-{os.getpid()}"
+        wait = min(self.config.timeout, HELLO_BOUND)
+        return await probe(channel, name, self._probe, sender=sender, timeout=wait)
+
     # --- feeding one subscriber -------------------------------------------------------
 
     async def _feed(self, state: SubscriberState, channel: Channel, control: Channel) -> None:
@@ -358,9 +376,9 @@ class WeightServer:
         try:
             while not channel.lost.is_set():
                 target = self.fleet.next_version(state.name, self.store.versions)
-                retained = None if target in (None, refused) else self.store.pin(target)
                 if target is not None and not state.transfers:  # late_join counts from here
                     self._begun.setdefault(state.name, time.perf_counter())
+                retained = None if target in (None, refused) else self.store.pin(target)
                 if retained is None:
                     if await gone_while_idle(self._changed, channel):
                         return
