@@ -243,12 +243,7 @@ async def _pipeline(
     if mode == "ipc":
         sender = WeightSender([endpoint], device=device, config=config)
     elif mode in ("flat", "flat_overlap", "per_tensor"):
-        options = CollectiveOptions(
-            engines=1,
-            per_tensor=mode == "per_tensor",
-            overlap=mode == "flat_overlap",
-            timeout=120,
-        )
+        options = CollectiveOptions(engines=1, per_tensor=mode == "per_tensor", timeout=120)
         sender = CollectiveSender([endpoint], collective=options, device=device, config=config)
     else:
         raise ValueError(f"unknown mode {mode}")

@@ -118,23 +118,29 @@ def trainer_switches(flags: list[str]) -> None:
     read on the loop); ``e``: every ``begin`` goes after the read, as before (no
     :mod:`~aiosync.pipeline.early_begin` guess); ``b``: a direct bucket 1 goes after the
     read, not with an early begin, and so does a packed one (not ahead of its packing,
-    protocol 4); ``p``: an early direct bucket 1 goes after the begin in a message of its
-    own, as protocol 2 sends it, not inside it.
+    ``Bucket.after``); ``p``: an early direct bucket 1 goes after the begin in a message of
+    its own, not inside it (as when the two are too large together).
     """
     from aiosync.core.layout_memory import LayoutMemory
     from aiosync.pipeline import early_begin
+    from aiosync.pipeline.begin import encode_begin as own_encode
     from aiosync.trainer.direct import DirectReader
     from aiosync.trainer.sender import WeightSender
 
     async def never(*_: Any) -> None:
         return None
 
+    def apart(version: int, guess: Any, marks: Any, limits: Any, first: Any = None) -> Any:
+        if first is not None:  # "too large together": begin_early sends the two apart
+            return b"", None
+        return own_encode(version, guess, marks, limits)
+
     regions_per_bucket(flags)
     _switch(WeightSender, "_read_here", lambda *_: None, "t" in flags)
     _switch(WeightSender, "_begin_early", never, "e" in flags)
     _switch(DirectReader, "kept_first", lambda _: None, "b" in flags)
     _switch(LayoutMemory, "kept_first", lambda _: None, "b" in flags)
-    _switch(early_begin, "carries_first", lambda _: False, "p" in flags)
+    _switch(early_begin, "encode_begin", apart, "p" in flags)
 
 
 def regions_per_bucket(flags: list[str]) -> None:

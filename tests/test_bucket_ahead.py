@@ -1,4 +1,4 @@
-"""A packed bucket 1 sent ahead of its packing (protocol 4, ``Bucket.after``), on the CPU.
+"""A packed bucket 1 sent ahead of its packing (``Bucket.after``), on the CPU.
 
 The CUDA plane orders such a bucket with a counter in the trainer's device memory: the
 trainer's plane hands out a value (``arm``), its next pack of that buffer sets the
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
-from aiosync.core import engine_session, wire
+from aiosync.core import wire
 from aiosync.core.engine_actions import Apply
 from aiosync.core.errors import MismatchError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec
@@ -193,18 +193,6 @@ async def test_a_failed_read_releases_the_counter_the_engine_waits_for(
         await sender.send(weights(2), version=2)
         assert all(torch.equal(model[n], t) for n, t in weights(2).items())
     assert counter.waits == [1, 2, 3]  # the withdrawn bucket's reads went on at its release
-
-
-@only_asyncio
-async def test_an_engine_of_protocol_3_gets_bucket_1_after_the_read(
-    counter: Counter, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_session, "PROTOCOL_MAX", 3)
-    async with pair() as (model, _receiver, sender, sent):
-        await sender.send(weights(2), version=2)
-        assert all(torch.equal(model[n], t) for n, t in weights(2).items())
-    assert counter.armed == []
-    assert all(after is None for _, after in sent)
 
 
 def test_a_bucket_ahead_reaches_the_plane_before_its_view() -> None:

@@ -225,8 +225,8 @@ async def test_a_trainer_killed_mid_broadcast_leaves_engines_on_their_version() 
             assert (await engine.until("committed"))["digests"] == digests(3)
 
 
-def test_overlap_is_for_nccl_only_and_a_failed_rendezvous_fails_the_receive() -> None:
-    spec = msgspec.structs.replace(GOOD, port=1, timeout_ms=200, overlap=True)
+def test_a_gloo_plane_has_no_events_and_a_failed_rendezvous_fails_the_receive() -> None:
+    spec = msgspec.structs.replace(GOOD, port=1, timeout_ms=200)
     plane = CollectiveReceiverPlane(spec, torch.device("cpu"))  # opening never blocks
     try:
         assert plane.events == []  # Gloo: sinks keep their own device waits

@@ -12,15 +12,18 @@ from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender, share_tensors
-from aiosync.core import engine_session
 from aiosync.core.errors import MismatchError
 from aiosync.core.layout import BucketPlan
+from aiosync.core.limits import Limits
+from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import FleetVote, Policy
 from aiosync.core.wire import Begin, Bucket, Message, decode
+from aiosync.pipeline import early_begin
 from aiosync.pipeline.fanout import BucketFanout, _Packed
 from tests.models import assert_same, mixed_weights, zeros_like
 
@@ -261,11 +264,26 @@ async def test_a_kept_direct_split_sends_bucket_1_before_the_read(
     assert log[2:4] == ["read", "confirmed"]  # ...which then confirms it
 
 
-@pytest.mark.parametrize("protocol", [2, 3])
-async def test_bucket_1_rides_in_the_begin_only_with_an_engine_of_protocol_3(
-    protocol: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("together", [True, False])
+async def test_bucket_1_rides_in_the_begin_unless_the_two_are_too_large_together(
+    together: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_session, "PROTOCOL_MAX", protocol)  # the engine chooses
+    encode_begin = early_begin.encode_begin
+
+    def tight(
+        version: int,
+        manifest: list[TensorMeta] | None,
+        flags: dict[str, bool],
+        limits: list[Limits],
+        first: bytes | None = None,
+    ) -> tuple[bytes, list[TensorMeta] | None]:
+        """The engines' message limit is the begin's own size: bucket 1 no longer fits in."""
+        alone, _ = encode_begin(version, manifest, flags, limits)
+        most = [msgspec.structs.replace(x, max_message_bytes=len(alone)) for x in limits]
+        return encode_begin(version, manifest, flags, most, first)
+
+    if not together:
+        monkeypatch.setattr(early_begin, "encode_begin", tight)
     torch.manual_seed(0)
     model, engine = Net(), Net()
     async with direct_pair(model, ModuleSink(engine)) as (receiver, sender):
@@ -288,7 +306,7 @@ async def test_bucket_1_rides_in_the_begin_only_with_an_engine_of_protocol_3(
     begin = sent[0]
     assert isinstance(begin, Begin)
     assert receiver.current_version == 3
-    if protocol == 3:  # one message: the begin carries bucket 1
+    if together:  # one message: the begin carries bucket 1
         assert begin.first is not None
         assert begin.first.seq == 1
         assert begin.first.regions

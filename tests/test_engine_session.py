@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 
-import aiosync.core.engine_session as engine_session
 from aiosync.core.engine_actions import (
     Action,
     Apply,
@@ -34,8 +33,7 @@ from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations, Expected, TensorMeta
 from aiosync.core.wire import (
     GOODBYE_SEQ,
-    PROTOCOL_MAX,
-    PROTOCOL_MIN,
+    PROTOCOL,
     Abort,
     Ack,
     Begin,
@@ -74,8 +72,8 @@ def hello(
     session: str = SESSION,
     *,
     sizes: Sequence[int] = (BUF, BUF),
-    low: int = PROTOCOL_MIN,
-    high: int = PROTOCOL_MAX,
+    low: int = PROTOCOL,
+    high: int = PROTOCOL,
 ) -> Hello:
     return Hello(low, high, session, "trainer", plane(sizes))
 
@@ -181,7 +179,7 @@ def connected(
     engine = machine(expectations, staged=staged, current=current)
     for peer in peers:
         ready = reply(send(engine, hello(f"session-{peer}", sizes=sizes), peer), peer)
-        assert ready == Ready(f"session-{peer}", PROTOCOL_MAX, current)
+        assert ready == Ready(f"session-{peer}", PROTOCOL, current)
     return engine
 
 
@@ -263,7 +261,7 @@ def test_hello_opens_the_plane_and_replies_only_once_it_is_open() -> None:
     actions = engine.receive(PEER, hello(), 0.0)
     assert actions == [OpenPlane(PEER, plane())]
     assert engine.sessions[PEER].phase is Phase.OPENING
-    assert engine.plane_opened(PEER) == [Reply(PEER, Ready(SESSION, PROTOCOL_MAX, None))]
+    assert engine.plane_opened(PEER) == [Reply(PEER, Ready(SESSION, PROTOCOL, None))]
     assert engine.sessions[PEER].phase is Phase.IDLE
     assert engine.sessions[PEER].sizes == [BUF, BUF]
 
@@ -272,49 +270,36 @@ def test_hello_opens_the_plane_and_replies_only_once_it_is_open() -> None:
 def test_ready_carries_the_committed_version(current: int | None) -> None:
     engine = machine(current=current)
     actions = send(engine, hello())
-    assert reply(actions) == Ready(SESSION, PROTOCOL_MAX, current)
+    assert reply(actions) == Ready(SESSION, PROTOCOL, current)
 
 
 def test_hello_with_a_cuda_plane() -> None:
     engine = machine()
     cuda = CudaPlaneSpec(0, 8192, [b"h" * 64])
-    assert engine.receive(PEER, Hello(2, 2, SESSION, "t", cuda), 0.0) == [OpenPlane(PEER, cuda)]
+    opening = engine.receive(PEER, Hello(PROTOCOL, PROTOCOL, SESSION, "t", cuda), 0.0)
+    assert opening == [OpenPlane(PEER, cuda)]
     engine.plane_opened(PEER)
     assert engine.sessions[PEER].sizes == [8192]
 
 
 @pytest.mark.parametrize(
-    ("ours", "theirs", "chosen"),
-    [
-        ((2, 4), (3, 7), 4),
-        ((2, 4), (1, 3), 3),
-        ((2, 4), (2, 2), 2),
-        ((2, 4), (4, 9), 4),
-        ((2, 4), (0, 100), 4),
-    ],
+    "theirs", [(PROTOCOL, PROTOCOL), (2, PROTOCOL), (PROTOCOL, PROTOCOL + 4), (0, 100)]
 )
-def test_overlapping_ranges_pick_the_highest_common_protocol(
-    monkeypatch: pytest.MonkeyPatch,
-    ours: tuple[int, int],
-    theirs: tuple[int, int],
-    chosen: int,
-) -> None:
-    monkeypatch.setattr(engine_session, "PROTOCOL_MIN", ours[0])
-    monkeypatch.setattr(engine_session, "PROTOCOL_MAX", ours[1])
+def test_a_range_that_holds_the_one_protocol_gets_it(theirs: tuple[int, int]) -> None:
     engine = machine()
     ready = reply(send(engine, hello(low=theirs[0], high=theirs[1])))
-    assert ready == Ready(SESSION, chosen, None)
+    assert ready == Ready(SESSION, PROTOCOL, None)
     assert engine.protocol_errors == 0
 
 
-@pytest.mark.parametrize(("low", "high"), [(PROTOCOL_MAX + 1, PROTOCOL_MAX + 3), (0, 1), (3, 1)])
+@pytest.mark.parametrize(("low", "high"), [(PROTOCOL + 1, PROTOCOL + 3), (2, 4), (0, 1), (3, 1)])
 def test_disjoint_protocol_ranges_abort_naming_both(low: int, high: int) -> None:
     engine = machine()
     actions = engine.receive(PEER, hello(low=low, high=high), 0.0)
     (abort,) = replies(actions)
     assert isinstance(abort, Abort)
-    assert f"{low}-{high}" in abort.reason
-    assert f"{PROTOCOL_MIN}-{PROTOCOL_MAX}" in abort.reason
+    assert f"the sender speaks protocols {low}-{high}" in abort.reason
+    assert f"this engine protocol {PROTOCOL}" in abort.reason
     assert not any(isinstance(a, OpenPlane) for a in actions)
     assert PEER not in engine.sessions
     assert engine.protocol_errors == 1
@@ -407,7 +392,7 @@ def test_second_hello_in_mid_stream_replaces_the_session() -> None:
     assert actions == [Discard(1), ClosePlane(PEER), OpenPlane(PEER, plane())]
     assert engine.failures == [SyncFailure(f"trainer@{PEER}", 1, "sender reconnected")]
     assert engine.owner is None
-    assert reply(carry_out(engine, actions)) == Ready("session-new", PROTOCOL_MAX, None)
+    assert reply(carry_out(engine, actions)) == Ready("session-new", PROTOCOL, None)
 
 
 # --------------------------------------------------------------------------------------
@@ -1330,19 +1315,12 @@ def test_a_refused_begin_refuses_the_bucket_it_carries_and_applies_nothing() -> 
     assert not applies(actions)
 
 
-def speaking(protocol: int) -> EngineSession:
-    """An engine whose session with ``PEER`` chose ``protocol`` (the sender's highest)."""
+def test_a_begin_carrying_a_bucket_before_hello_is_one_protocol_error() -> None:
     engine = machine(model())
-    ready = reply(send(engine, hello(high=protocol)))
-    assert isinstance(ready, Ready)
-    assert ready.protocol == protocol
-    return engine
-
-
-def test_a_begin_carrying_a_bucket_in_a_protocol_2_session_is_a_protocol_error() -> None:
-    engine = speaking(2)
     actions = send(engine, Begin(0, MANIFEST, first=by_slots(0, 1, [Slot(0, 0, 16)])))
     assert not applies(actions)
+    assert [type(m) for m in replies(actions)] == [Abort]  # the bucket inside is not taken
+    assert "begin before hello" in replies(actions)[0].reason
     assert engine.protocol_errors == 1
     assert PEER not in engine.sessions
 
@@ -1358,16 +1336,7 @@ def test_a_begin_carrying_a_bucket_while_a_version_is_open_is_one_protocol_error
     assert not applies(actions)
 
 
-def test_a_bucket_sent_ahead_of_its_packing_needs_protocol_4() -> None:
-    engine = speaking(3)
-    send(engine, Begin(0, MANIFEST))
-    ahead = msgspec.structs.replace(by_slots(0, 1, [Slot(0, 0, 16)]), after=1)
-    actions = send(engine, ahead)
-    assert not applies(actions)
-    assert is_protocol_abort(actions, PEER, "protocol 4")
-
-
-def test_a_bucket_sent_ahead_in_a_protocol_4_session_is_applied_with_its_value() -> None:
+def test_a_bucket_sent_ahead_of_its_packing_is_applied_with_its_value() -> None:
     engine = connected(model())
     send(engine, Begin(0, MANIFEST))
     ahead = msgspec.structs.replace(by_slots(0, 1, [Slot(0, 0, 16)]), after=3)

@@ -25,8 +25,7 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.wire import (
-    PROTOCOL_MAX,
-    PROTOCOL_MIN,
+    PROTOCOL,
     Abort,
     Begin,
     Bucket,
@@ -181,7 +180,7 @@ def test_a_fuzzed_engine_stays_up_at_its_version_and_serves_a_real_trainer(
     assert receiver.current_version == 5
     ctx = zmq.Context()
     plane = ShmSenderPlane(2, 1 << 16)  # a real plane, so hostile streams get past hello
-    real_hello = encode(Hello(PROTOCOL_MIN, PROTOCOL_MAX, "s", "fuzz", plane.spec))
+    real_hello = encode(Hello(PROTOCOL, PROTOCOL, "s", "fuzz", plane.spec))
 
     @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.booleans(), st.lists(frames(), min_size=1, max_size=12))

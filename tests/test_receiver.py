@@ -1,7 +1,7 @@
 """The receiver under contention and faults: busy senders, failing sinks, vanished senders,
 versions refused whole before any byte moves, and the event loops it runs on.
 
-A :class:`RawSender` drives a receiver by hand with protocol v2 messages over a real
+A :class:`RawSender` drives a receiver by hand with the protocol's messages over a real
 :class:`ZmqChannel` and a real :class:`ShmSenderPlane`, so a test decides when a stream
 ends (or never does).
 """
@@ -35,8 +35,7 @@ from aiosync.core.layout import BucketPlan, TensorSpec, plan_buckets
 from aiosync.core.manifest import TensorMeta, build_manifest
 from aiosync.core.wire import (
     GOODBYE_SEQ,
-    PROTOCOL_MAX,
-    PROTOCOL_MIN,
+    PROTOCOL,
     Abort,
     Ack,
     Begin,
@@ -78,7 +77,7 @@ class RawSender:
         """Connect and say hello; the engine must answer ready."""
         plane = ShmSenderPlane(1, CAPACITY)
         raw = cls(ZmqChannel.connect(endpoint), plane, name)
-        hello = Hello(PROTOCOL_MIN, PROTOCOL_MAX, raw.session, name, plane.spec)
+        hello = Hello(PROTOCOL, PROTOCOL, raw.session, name, plane.spec)
         ready = await raw.request(hello)
         assert isinstance(ready, Ready), ready
         return raw
@@ -326,13 +325,13 @@ async def test_hello_with_a_protocol_range_the_engine_does_not_speak_is_refused(
         plane = ShmSenderPlane(1, CAPACITY)
         channel = ZmqChannel.connect(receiver.endpoint)
         try:
-            low, high = PROTOCOL_MAX + 1, PROTOCOL_MAX + 4
+            low, high = PROTOCOL + 1, PROTOCOL + 4
             await channel.send(encode(Hello(low, high, "s", "future", plane.spec)))
             with anyio.fail_after(GUARD):
                 reply = decode(await channel.recv())
             assert isinstance(reply, Abort)
-            assert f"{low}-{high}" in reply.reason
-            assert f"{PROTOCOL_MIN}-{PROTOCOL_MAX}" in reply.reason
+            assert f"the sender speaks protocols {low}-{high}" in reply.reason
+            assert f"this engine protocol {PROTOCOL} " in reply.reason
             assert receiver.sessions == 0
             assert receiver.protocol_errors == 1
         finally:

@@ -47,8 +47,7 @@ from aiosync.core.layout import BucketPlan, plan_buckets
 from aiosync.core.manifest import Expectations, TensorMeta, build_manifest, expectations_of
 from aiosync.core.trainer_session import FleetVote, LinkSession, Policy, Verdict
 from aiosync.core.wire import (
-    PROTOCOL_MAX,
-    PROTOCOL_MIN,
+    PROTOCOL,
     Abort,
     Ack,
     Begin,
@@ -79,13 +78,13 @@ MAX_STEPS = 2_000
 
 def link(remote: int | None = None) -> LinkSession:
     session = LinkSession("engine-0", "session-0")
-    session.ready(Ready("session-0", PROTOCOL_MAX, remote))
+    session.ready(Ready("session-0", PROTOCOL, remote))
     return session
 
 
 def test_link_hello_states_the_range_and_session() -> None:
     hello = LinkSession("engine-0", "session-0").hello("trainer", PLANE)
-    assert (hello.protocol_min, hello.protocol_max) == (PROTOCOL_MIN, PROTOCOL_MAX)
+    assert (hello.protocol_min, hello.protocol_max) == (PROTOCOL, PROTOCOL)
     assert (hello.session, hello.sender, hello.plane) == ("session-0", "trainer", PLANE)
 
 
@@ -93,25 +92,25 @@ def test_link_hello_states_the_range_and_session() -> None:
 def test_link_ready_records_the_engines_version(remote: int | None) -> None:
     session = link(remote)
     assert session.remote_version == remote
-    assert session.protocol == PROTOCOL_MAX
+    assert session.protocol == PROTOCOL
 
 
 def test_link_ready_for_another_session_is_refused() -> None:
     session = LinkSession("engine-0", "session-0")
     with pytest.raises(ProtocolError, match="'other'") as info:
-        session.ready(Ready("other", PROTOCOL_MAX, 3))
+        session.ready(Ready("other", PROTOCOL, 3))
     assert info.value.peer == "engine-0"
     assert session.protocol is None
     assert session.remote_version is None
 
 
-@pytest.mark.parametrize("protocol", [PROTOCOL_MIN - 1, PROTOCOL_MAX + 1])
-def test_link_ready_with_a_protocol_outside_the_range_names_both(protocol: int) -> None:
+@pytest.mark.parametrize("protocol", [PROTOCOL - 1, PROTOCOL + 1])
+def test_link_ready_with_another_protocol_names_both(protocol: int) -> None:
     session = LinkSession("engine-0", "session-0")
     with pytest.raises(ProtocolError) as info:
         session.ready(Ready("session-0", protocol, None))
     assert f"protocol {protocol}" in str(info.value)
-    assert f"{PROTOCOL_MIN}-{PROTOCOL_MAX}" in str(info.value)
+    assert f"this sender speaks protocol {PROTOCOL} " in str(info.value)
 
 
 def test_link_begin_before_ready_is_refused() -> None:

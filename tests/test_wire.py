@@ -1,6 +1,6 @@
 """Behaviour tests for the wire codec (:mod:`aiosync.core.wire`): bytes in, messages or errors out.
 
-Protocol v2: a session opens with Hello (protocol range, data plane) / Ready; each version
+The one protocol: a session opens with Hello (protocol range, data plane) / Ready; each version
 is Begin (manifest) -> Bucket (slots or specs) ... -> Complete -> Commit, every one acked.
 """
 
@@ -28,8 +28,7 @@ from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import LinkSession
 from aiosync.core.wire import (
     GOODBYE_SEQ,
-    PROTOCOL_MAX,
-    PROTOCOL_MIN,
+    PROTOCOL,
     Abort,
     Ack,
     Begin,
@@ -82,8 +81,8 @@ SLOTS = [Slot(0, 0, 1024), Slot(1, 1024, 4), Slot(2, 1536, 0), Slot(3, 1536, 512
 
 SAMPLES: list[Any] = [
     Hello(
-        PROTOCOL_MIN,
-        PROTOCOL_MAX,
+        PROTOCOL,
+        PROTOCOL,
         "session-1",
         "trainer-0",
         ShmPlaneSpec([ShmHandle("aiosync-1-2-0123456789abcdef", 4096)]),
@@ -111,7 +110,7 @@ SAMPLES: list[Any] = [
     ),
     Hello(2, 2, "s", "t", DirectPlaneSpec(ShmPlaneSpec([ShmHandle("a", 1024)]), 1 << 30)),
     Hello(2, 2, "s", "t", DirectPlaneSpec(CudaPlaneSpec(0, 2048, [b"h" * 64]), 9, b"e" * 64)),
-    Ready("session-1", PROTOCOL_MAX, None),
+    Ready("session-1", PROTOCOL, None),
     Ready("session-1", 2, 0),
     Ready("session-1", 2, 2**62),
     Ready("session-1", 2, 3, events=[b"\x00" * 64, b"\xff" * 64]),
@@ -340,8 +339,8 @@ def test_wire_format_is_documented_map() -> None:
     }
     assert msgspec.msgpack.decode(encode(SAMPLES[0])) == {
         "type": "hello",
-        "protocol_min": PROTOCOL_MIN,
-        "protocol_max": PROTOCOL_MAX,
+        "protocol_min": PROTOCOL,
+        "protocol_max": PROTOCOL,
         "session": "session-1",
         "sender": "trainer-0",
         "plane": {
@@ -519,13 +518,13 @@ BEGIN = {"type": "begin", "version": 1, "manifest": [["w", "float32", [4], 1]]}
 SHM_PLANE = {"type": "shm", "buffers": [{"type": "shm", "name": "b", "size": 512}]}
 HELLO = {
     "type": "hello",
-    "protocol_min": PROTOCOL_MIN,
-    "protocol_max": PROTOCOL_MAX,
+    "protocol_min": PROTOCOL,
+    "protocol_max": PROTOCOL,
     "session": "s",
     "sender": "t",
     "plane": SHM_PLANE,
 }
-READY = {"type": "ready", "session": "s", "protocol": PROTOCOL_MAX, "version": 1}
+READY = {"type": "ready", "session": "s", "protocol": PROTOCOL, "version": 1}
 COMPLETE = {"type": "complete", "seq": 2, "version": 1, "buckets": 1, "tensors": 1}
 COMMIT = {"type": "commit", "seq": 3, "version": 1}
 
@@ -776,8 +775,8 @@ def hello(low: int, high: int) -> Hello:
 
 @pytest.mark.parametrize(
     ("low", "high"),
-    [(PROTOCOL_MAX + 1, PROTOCOL_MAX + 3), (0, PROTOCOL_MIN - 1), (PROTOCOL_MAX + 5, 99)],
-    ids=["newer", "older", "far-newer"],
+    [(PROTOCOL + 1, PROTOCOL + 3), (0, PROTOCOL - 1), (2, PROTOCOL - 1), (PROTOCOL + 5, 99)],
+    ids=["newer", "older", "older-build", "far-newer"],
 )
 def test_hello_with_a_disjoint_protocol_range_is_refused_naming_both(low: int, high: int) -> None:
     engine = engine_session()
@@ -788,38 +787,38 @@ def test_hello_with_a_disjoint_protocol_range_is_refused_naming_both(low: int, h
     assert isinstance(reply, Reply)
     assert reply.peer == PEER
     assert isinstance(reply.message, Abort)
-    assert f"{low}-{high}" in reply.message.reason  # the sender's range
-    assert f"{PROTOCOL_MIN}-{PROTOCOL_MAX}" in reply.message.reason  # the engine's range
+    assert f"the sender speaks protocols {low}-{high}" in reply.message.reason
+    assert f"this engine protocol {PROTOCOL} " in reply.message.reason
     assert not any(isinstance(a, OpenPlane) for a in actions)
     assert engine.sessions == {}
     assert engine.protocol_errors == 1
     # the refusal survives the wire, and the engine takes a good hello afterwards
     assert decode(encode(reply.message)) == reply.message
-    actions = engine.receive(PEER, hello(PROTOCOL_MIN, PROTOCOL_MAX), now=1.0)
+    actions = engine.receive(PEER, hello(PROTOCOL, PROTOCOL), now=1.0)
     assert [type(a) for a in actions] == [OpenPlane]
 
 
-def test_overlapping_ranges_agree_on_the_highest_common_protocol() -> None:
+def test_a_wider_range_agrees_on_the_one_protocol() -> None:
     engine = engine_session()
-    actions = engine.receive(PEER, hello(0, PROTOCOL_MAX + 10), now=0.0)
+    actions = engine.receive(PEER, hello(0, PROTOCOL + 10), now=0.0)
     assert [type(a) for a in actions] == [OpenPlane]
     (ready,) = engine.plane_opened(PEER)
     assert isinstance(ready, Reply)
     assert isinstance(ready.message, Ready)
-    assert ready.message.protocol == PROTOCOL_MAX
+    assert ready.message.protocol == PROTOCOL
     assert ready.message.session == "session-1"
     assert ready.message.version is None
     # and the sender's side accepts it
     link = LinkSession("engine-0", "session-1")
     link.ready(ready.message)
-    assert link.protocol == PROTOCOL_MAX
+    assert link.protocol == PROTOCOL
 
 
 def test_follow_opens_a_version_the_engine_will_refuse_and_begin_does_not() -> None:
     link = LinkSession("engine-0", "session-1")
     with pytest.raises(ProtocolError, match="before the session is ready"):
         link.follow(3)
-    link.ready(Ready("session-1", PROTOCOL_MAX, 5))
+    link.ready(Ready("session-1", PROTOCOL, 5))
     with pytest.raises(RejectedError, match="not newer than the engine's 5"):
         link.begin(3)  # a refusal, not a broken session: the engine stays in the fleet
     link.sent(0)
@@ -827,16 +826,16 @@ def test_follow_opens_a_version_the_engine_will_refuse_and_begin_does_not() -> N
     assert (link.version, link.in_flight, link.remote_version) == (3, 0, 5)
 
 
-@pytest.mark.parametrize("protocol", [PROTOCOL_MIN - 1, PROTOCOL_MAX + 1, 0])
+@pytest.mark.parametrize("protocol", [PROTOCOL - 1, PROTOCOL + 1, 0])
 def test_sender_refuses_a_ready_outside_its_range_naming_both(protocol: int) -> None:
     link = LinkSession("engine-0", "session-1")
     hello_message = link.hello("trainer", ShmPlaneSpec([ShmHandle("x", 512)]))
-    assert (hello_message.protocol_min, hello_message.protocol_max) == (PROTOCOL_MIN, PROTOCOL_MAX)
+    assert (hello_message.protocol_min, hello_message.protocol_max) == (PROTOCOL, PROTOCOL)
     with pytest.raises(ProtocolError) as info:
         link.ready(Ready("session-1", protocol, None))
     message = str(info.value)
     assert f"protocol {protocol}" in message
-    assert f"{PROTOCOL_MIN}-{PROTOCOL_MAX}" in message
+    assert f"this sender speaks protocol {PROTOCOL} " in message
     assert "engine-0" in message
     assert link.protocol is None
 

@@ -20,7 +20,7 @@ class Phase(enum.Enum):
 
 @dataclass
 class SenderSession:
-    """One sender as its engine sees it: names, plane, protocol, times and open stream.
+    """One sender as its engine sees it: names, plane, times and open stream.
 
     ``seen``/``progress``: the loop's clock at its last message and at its stream's last
     step; ``failed_version``: the version of its last stream that failed (later messages
@@ -31,7 +31,6 @@ class SenderSession:
     name: str
     session: str
     sizes: list[int]
-    protocol: int
     seen: float
     progress: float
     phase: Phase = Phase.OPENING

@@ -36,8 +36,7 @@ from aiosync.core.stream_state import StreamMemory, light, open_stream
 from aiosync.core.versions import check_version, past_deadline
 from aiosync.core.wire import (
     GOODBYE_SEQ,
-    PROTOCOL_MAX,
-    PROTOCOL_MIN,
+    PROTOCOL,
     Abort,
     Ack,
     Begin,
@@ -50,6 +49,7 @@ from aiosync.core.wire import (
     Ping,
     Ready,
     split_begin,
+    spoken,
 )
 
 
@@ -113,8 +113,6 @@ class EngineSession:
             return []
         if isinstance(message, Begin):
             head, first = split_begin(message)
-            if first is not None and not self.accepts_first(peer):
-                return self._protocol_error(peer, "a begin carrying a bucket (protocol 3)")
             actions = self._on_begin(peer, session, head, now)
             if first is None or peer not in self.sessions:  # not after a protocol error
                 return actions
@@ -146,11 +144,6 @@ class EngineSession:
         """A frame from ``peer`` that is not a message: end its session and say why."""
         return self._protocol_error(peer, error.reason)
 
-    def accepts_first(self, peer: Peer) -> bool:
-        """Whether ``peer``'s session may send a begin carrying bucket 1 (protocol 3 on)."""
-        session = self.sessions.get(peer)
-        return session is not None and session.protocol >= 3
-
     def light(self, peer: Peer, message: Message) -> bool:
         """Whether ``message``'s checks are bounded work now (:func:`.stream_state.light`)."""
         session = self.sessions.get(peer)
@@ -158,15 +151,15 @@ class EngineSession:
 
     def _on_hello(self, peer: Peer, hello: Hello, now: float) -> list[Action]:
         actions = self._drop(peer, "sender reconnected") if peer in self.sessions else []
-        low, high = max(PROTOCOL_MIN, hello.protocol_min), min(PROTOCOL_MAX, hello.protocol_max)
         sizes = hello.plane.sizes
         problem = plane_problem(
             sizes, self.limits, sessions_open=len(self.sessions), reconnecting=peer in self.sessions
         )
-        if low > high:
+        if not hello.protocol_min <= PROTOCOL <= hello.protocol_max:
+            theirs = spoken(hello.protocol_min, hello.protocol_max)
             problem = (
-                f"protocol versions {hello.protocol_min}-{hello.protocol_max} not supported: "
-                f"this engine speaks {PROTOCOL_MIN}-{PROTOCOL_MAX}"
+                f"session refused: the sender speaks {theirs}, this engine "
+                f"{spoken(PROTOCOL, PROTOCOL)} (run the same aiosync release on both ends)"
             )
         if problem is not None:
             self.protocol_errors += 1
@@ -174,7 +167,7 @@ class EngineSession:
         name = f"{shorten(hello.sender, 64)}@{peer}"
         session = shorten(hello.session, self.limits.max_name_length)
         timeout = stated_timeout(hello.timeout)
-        self.sessions[peer] = _Session(name, session, sizes, high, now, now, timeout=timeout)
+        self.sessions[peer] = _Session(name, session, sizes, now, now, timeout=timeout)
         return [*actions, OpenPlane(peer, hello.plane)]
 
     def plane_opened(self, peer: Peer) -> list[Action]:
@@ -184,7 +177,7 @@ class EngineSession:
         waits = self.swap_timeout if self.staged else None  # in place: never a lease to wait for
         ready = Ready(
             session.session,
-            session.protocol,
+            PROTOCOL,
             self.current_version,
             self.limits,
             swap_timeout=waits,
@@ -241,8 +234,6 @@ class EngineSession:
             return self._protocol_error(
                 peer, f"bucket seq {bucket.seq} out of order (expected {stream.next_seq})"
             )
-        if bucket.after is not None and session.protocol < 4:
-            return self._protocol_error(peer, "a bucket sent ahead of its packing (protocol 4)")
         stream.next_seq += 1
         try:
             specs = stream.resolve(bucket, session.sizes)

@@ -31,7 +31,7 @@ def plane_problem(
 def uncovered(timeout: float, ready: Ready) -> str | None:
     """What to warn of when a sender waiting ``timeout`` seconds for an ack meets this engine.
 
-    None when nothing: the engine states no wait (an in-place sink, an older engine) or
+    None when nothing: the engine states no wait (an in-place sink) or
     acknowledges commits once staged, or ``timeout`` is above its ``swap_timeout``.
     """
     waits = ready.swap_timeout

@@ -1,6 +1,6 @@
 """The sender's protocol state as pure machines: one per engine link, one per fleet vote.
 
-:class:`LinkSession` is what a sender knows of one engine: the negotiated protocol, the
+:class:`LinkSession` is what a sender knows of one engine: the protocol it confirmed, the
 engine's committed version and which of its messages still await an ack (acks come back in
 order, so a mismatch means the two sides disagree), including a commit whose answer never
 came (the version is then in doubt until that answer arrives). :class:`FleetVote` decides a
@@ -22,7 +22,7 @@ from aiosync.core.errors import (
     RejectedError,
 )
 from aiosync.core.limits import Limits
-from aiosync.core.wire import PROTOCOL_MAX, PROTOCOL_MIN, Ack, Hello, PlaneSpec, Ready
+from aiosync.core.wire import PROTOCOL, Ack, Hello, PlaneSpec, Ready, spoken
 
 
 class LinkSession:
@@ -42,16 +42,16 @@ class LinkSession:
 
     def hello(self, sender: str, plane: PlaneSpec) -> Hello:
         """The session's opening message."""
-        return Hello(PROTOCOL_MIN, PROTOCOL_MAX, self.session, sender, plane)
+        return Hello(PROTOCOL, PROTOCOL, self.session, sender, plane)
 
     def ready(self, ready: Ready) -> None:
-        """Accept the engine's reply to hello (its session and a protocol we speak)."""
+        """Accept the engine's reply to hello (its session and this side's protocol)."""
         if ready.session != self.session:
             raise ProtocolError(f"ready names session {ready.session!r}", peer=self.peer)
-        if not PROTOCOL_MIN <= ready.protocol <= PROTOCOL_MAX:
+        if ready.protocol != PROTOCOL:
             raise ProtocolError(
-                f"engine chose protocol {ready.protocol}; this side speaks "
-                f"{PROTOCOL_MIN}-{PROTOCOL_MAX}",
+                f"the engine chose protocol {ready.protocol}, this sender speaks "
+                f"{spoken(PROTOCOL, PROTOCOL)} (run the same aiosync release on both ends)",
                 peer=self.peer,
             )
         self.protocol = ready.protocol

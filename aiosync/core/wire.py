@@ -9,7 +9,7 @@ One version, as seen by one engine::
     Hello(protocol range, data plane)  ->  Ready(protocol, version)     once per session
     Begin(version, manifest)           ->  Ack(seq 0: accepted | refused)
     Bucket(version, seq 1..n)          ->  Ack(seq: applied | refused)
-        (protocol 3: bucket 1 may ride in the begin, ``Begin.first``; the same two acks)
+        (bucket 1 may ride in the begin, ``Begin.first``; the same two acks)
     Complete(version, seq n+1)         ->  Ack(prepared: whole and checked | refused)
     Commit(version, seq n+2, deadline) ->  Ack(committed | refused: past the deadline)
 
@@ -25,16 +25,20 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 
-PROTOCOL_MIN = 2
-PROTOCOL_MAX = 5
-"""The range of protocol versions this build speaks (bumped when a message changes shape).
+PROTOCOL = 5
+"""The one protocol version this build speaks (bumped when a message changes shape).
 
-3: ``Begin.first`` (bucket 1 in the begin's message), sent only to engines that chose 3.
-4: ``Bucket.after`` (a bucket sent ahead of its packing), sent only to engines that chose 4.
-5: ``Commit.deadline``, which an engine of 5 enforces, and ``Ready.swap_timeout`` and
-``Ready.ack_at`` (the engine's bounds; a sender whose timeout does not cover them is
-warned), and ``Hello.timeout`` (the sender's).
+Both ends ship together, so no older version is kept. The hello still states a range
+(``protocol_min``..``protocol_max``), so that a peer of another build is refused with one
+error naming both sides' versions (:func:`spoken`).
 """
+PROTOCOL_MIN = PROTOCOL_MAX = PROTOCOL
+"""The range this build states in its hello: :data:`PROTOCOL` alone."""
+
+
+def spoken(low: int, high: int) -> str:
+    """A stated range of protocol versions in words: ``"protocol 5"``, ``"protocols 2-4"``."""
+    return f"protocol {low}" if low == high else f"protocols {low}-{high}"
 
 
 class ShmHandle(msgspec.Struct, frozen=True, tag="shm"):
@@ -90,9 +94,9 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
     ``host``:``port`` under the key prefix of ``token`` (so the token must only travel on
     an authenticated channel), takes the next free rank, and receives each bucket into
     one of ``count`` buffers of ``capacity`` bytes: one broadcast per bucket, or one per
-    tensor when ``per_tensor``. ``timeout_ms`` bounds each collective. ``overlap`` is
-    kept for older peers and changes nothing: over NCCL every engine now copies a bucket
-    out while it receives the next one (see :mod:`aiosync.collectives.ordered`).
+    tensor when ``per_tensor``. ``timeout_ms`` bounds each collective. Over NCCL every
+    engine copies a bucket out while it receives the next one (see
+    :mod:`aiosync.collectives.ordered`).
     """
 
     backend: str
@@ -105,7 +109,6 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
     capacity: int
     per_tensor: bool = False
     timeout_ms: int = 60_000
-    overlap: bool = False
 
     @property
     def sizes(self) -> list[int]:
@@ -174,7 +177,7 @@ PlaneSpec = ShmPlaneSpec | CudaPlaneSpec | CollectivePlaneSpec | GatheredPlaneSp
 class Hello(msgspec.Struct, frozen=True, tag="hello", omit_defaults=True):
     """Sender -> engine: opens a session, states the protocol range and the data plane.
 
-    ``timeout`` (protocol 5; None: not stated): the longest the sender waits for an answer,
+    ``timeout`` (None: not stated): the longest the sender waits for an answer,
     which an engine names when it refuses a commit its leases held past the deadline.
     """
 
@@ -192,10 +195,10 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     ``limits`` are the engine's bounds, which the sender plans its buckets to fit.
     ``events``: for a CUDA plane, the engine's IPC event per buffer, recorded once a
     bucket's copies are queued (the trainer's stream waits on it before reusing the buffer).
-    ``swap_timeout`` (protocol 5; None: the engine never waits to make a version live, as
-    with an in-place sink): the longest a commit may wait for read leases before the
-    engine answers it; ``ack_at``: ``"live"`` or ``"staged"``, when that answer goes (None:
-    not stated, an engine before protocol 5).
+    ``swap_timeout`` (None: the engine never waits to make a version live, as with an
+    in-place sink): the longest a commit may wait for read leases before the engine
+    answers it; ``ack_at``: ``"live"`` or ``"staged"``, when that answer goes (None: not
+    stated).
     """
 
     session: str
@@ -212,7 +215,7 @@ class Begin(msgspec.Struct, frozen=True, tag="begin"):
 
     ``empty``: the sender means to send no tensor at all (refused unless said). ``rebase``:
     the sender restarts the numbering (a trainer back from a checkpoint); the engine takes
-    it only if its limits allow. ``first`` (protocol 3): the version's bucket 1 in the same
+    it only if its limits allow. ``first``: the version's bucket 1 in the same
     message, taken exactly as if it followed the begin (a direct bucket sent before the
     trainer's read: one message for the engine to wake for and decode, not two).
     """
@@ -248,7 +251,7 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     through, in order. ``digest``: the SHA-256 of the bucket's bytes (the engine may keep
     them by it, to resume an interrupted version); ``held``: the engine holds these bytes
     already (it said so), so it reads them from its own store, not from ``buffer``.
-    ``after`` (protocol 4, a CUDA plane with a ``counter``): the bucket was sent before the
+    ``after`` (a CUDA plane with a ``counter``): the bucket was sent before the
     trainer packed it; its reads wait until the trainer's counter reaches this value.
     """
 
@@ -276,11 +279,11 @@ class Complete(msgspec.Struct, frozen=True, tag="complete"):
 class Commit(msgspec.Struct, frozen=True, tag="commit", omit_defaults=True):
     """Sender -> engine: every required engine prepared ``version``; make it current.
 
-    ``deadline`` (protocol 5): when the sender stops waiting for the answer, in seconds
+    ``deadline``: when the sender stops waiting for the answer, in seconds
     since the epoch (``time.time()``, a clock both ends share: one host for ``ipc://``,
     synchronised hosts for ``tcp://``). An engine refuses to make the version live past
     it, so a sender that gave up never leaves an engine that commits later (None: no
-    deadline, an older sender).
+    deadline; every aiosync sender states one).
     """
 
     version: int

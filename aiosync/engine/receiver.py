@@ -354,7 +354,7 @@ class WeightReceiver:
             self.challenges.note(message.ref, message.token)
             return []
         first = None
-        if isinstance(message, Begin) and machine.accepts_first(peer):
+        if isinstance(message, Begin):
             message, first = split_begin(message)  # bucket 1 in it: two messages in a row
         plane, in_thread = self._planes.get(peer), walks_tensors(message)
         actions = await receive_through_plane(plane, machine, peer, message, in_thread)

@@ -10,8 +10,8 @@ reads its tensors. If the read shows another manifest, or fails, the guess is wi
 may have gone with the ``begin`` (see :func:`begin_early`): an engine then applied it
 before the withdrawal, which it treats as any abort. In direct mode its copies wait on the
 trainer's start event; a ring bucket is packed only after the read, so its message names
-the value of the trainer's counter that the pack sets (protocol 4, the CUDA plane's
-``arm``), and a withdrawal sets it too (``release``).
+the value of the trainer's counter that the pack sets (the CUDA plane's ``arm``), and a
+withdrawal sets it too (``release``).
 """
 
 from __future__ import annotations
@@ -101,16 +101,6 @@ class EarlyBegin:
                         log.info("could not withdraw the begin from %s: %s", link.name, exc)
 
 
-def carries_first(links: Sequence[EngineLink]) -> bool:
-    """Whether bucket 1 may ride inside the begin: every engine chose protocol 3 or later."""
-    return all((link.session.protocol or 0) >= 3 for link in links)
-
-
-def takes_ahead(links: Sequence[EngineLink]) -> bool:
-    """Whether a bucket may go ahead of its packing (``Bucket.after``): protocol 4 or later."""
-    return all((link.session.protocol or 0) >= 4 for link in links)
-
-
 async def begin_early(
     links: Sequence[EngineLink],
     version: int,
@@ -123,10 +113,11 @@ async def begin_early(
 
     With ``first`` (a direct plan the last version's split made, kept; or, with ``after``,
     the first ring plan of the layout kept from the last version), bucket 1 goes with each
-    ``begin``: inside its message where every engine speaks protocol 3 (one message to
-    wake for and decode), else right after it. The engines then start copying while the
-    trainer checks its tensors (a ring bucket's copies wait until the plane's pack sets
-    its counter to ``after``). ``release`` runs if the guess is withdrawn.
+    ``begin``: inside its message (one message to wake for and decode), or right after it
+    where the two are too large together for an engine's message limit. The engines then
+    start copying while the trainer checks its tensors (a ring bucket's copies wait until
+    the plane's pack sets its counter to ``after``). ``release`` runs if the guess is
+    withdrawn.
     None where nothing can go now: an engine would not take the manifest whole (the
     version then goes without one), an engine is not behind ``version``, a link is a REQ
     socket (one message at a time), or a send failed (the ones that went are withdrawn).
@@ -141,7 +132,7 @@ async def begin_early(
     as_read = bucket  # what the fanout makes once read: the same but for ``after``
     if first is not None and after is not None:
         as_read = kept_first_payload(version, first, after, as_read=True)
-    inside = bucket if bucket is not None and carries_first(links) else None
+    inside = bucket
     payload, carried = encode_begin(version, guess, flags, limits, inside)
     if carried is None and inside is not None:  # too large together: two messages
         inside = None

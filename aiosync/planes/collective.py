@@ -38,7 +38,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import uuid
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -88,9 +89,9 @@ class CollectiveOptions:
     The rendezvous store listens on ``host`` (an IP address, loopback by default) or on
     the address of network interface ``interface``. ``per_tensor``: one broadcast per
     tensor instead of one per packed bucket. ``timeout`` (seconds) bounds the rendezvous
-    and each broadcast. ``overlap`` is accepted and changes nothing: over NCCL, engines
-    always copy bucket k into their model while they receive bucket k + 1 (their sinks
-    wait for the GPU once, at commit, as with the CUDA IPC plane's events).
+    and each broadcast. Over NCCL, engines always copy bucket k into their model while
+    they receive bucket k + 1 (their sinks wait for the GPU once, at commit, as with the
+    CUDA IPC plane's events). ``overlap=`` is deprecated: it changes nothing and warns.
     """
 
     engines: int
@@ -99,9 +100,16 @@ class CollectiveOptions:
     interface: str | None = None
     per_tensor: bool = False
     timeout: float = 60.0
-    overlap: bool = False
+    overlap: InitVar[bool | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, overlap: bool | None) -> None:
+        if overlap is not None:
+            warnings.warn(
+                "CollectiveOptions(overlap=...) is deprecated and changes nothing: over NCCL, "
+                "engines always copy a bucket out while they receive the next",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         if not 1 <= self.engines < MAX_WORLD:
             raise ValueError(f"engines must be in [1, {MAX_WORLD}), got {self.engines}")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -193,7 +201,6 @@ class CollectiveSenderPlane:
             capacity=self._capacity,
             per_tensor=self.options.per_tensor,
             timeout_ms=round(self.options.timeout * 1000),
-            overlap=self.options.overlap,
         )
 
     @property

@@ -1,8 +1,8 @@
 """The server's control messages (msgpack through msgspec, never Python objects).
 
 Subscribers and clients talk to a server's *control* endpoint with these; weights never
-travel here. Versions reach a subscriber as an ordinary weight stream (protocol v2,
-:mod:`aiosync.core.wire`) from the server to the subscriber's receiver.
+travel here. Versions reach a subscriber as an ordinary weight stream
+(:mod:`aiosync.core.wire`) from the server to the subscriber's receiver.
 
 =============  ==========  ==========================================================
 message        direction   meaning

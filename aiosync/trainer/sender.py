@@ -42,7 +42,7 @@ from aiosync.core.planning import VersionSource, read_source
 from aiosync.core.trainer_session import LinkSession, Policy
 from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
 from aiosync.pipeline.ahead import FIRST_BUFFER, read_ahead, read_here
-from aiosync.pipeline.early_begin import EarlyBegin, begin_early, takes_ahead
+from aiosync.pipeline.early_begin import EarlyBegin, begin_early
 from aiosync.pipeline.fanout import EarlyBucketMismatch
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
@@ -409,8 +409,8 @@ class WeightSender:
         Only for a source whose read builds a manifest (a module, a mapping, a list: not a
         generator without ``manifest=``), so that a guess is withdrawn only when the names,
         dtypes or shapes really changed. Bucket 1 goes with it where the last read can be
-        kept: a direct split's, or (a CUDA plane with a counter, every engine of protocol
-        4) the layout's first ring bucket, ahead of its packing.
+        kept: a direct split's, or (a CUDA plane with a counter) the layout's first ring
+        bucket, ahead of its packing.
         """
         guess, plane = self._begun_with, self._plane
         if guess is None or plane is None or options.empty or options.rebase:
@@ -429,7 +429,7 @@ class WeightSender:
         arm = getattr(plane, "arm", None)  # a ring bucket 1 goes ahead of its packing
         kept = self._layouts.kept_first() if self._first_early and manifest is None else None
         words = [link.counter_word for link in links]
-        if arm is None or kept is None or None in words or not takes_ahead(links):
+        if arm is None or kept is None or None in words:
             return await begin_early(links, version, guess)
         disarm = plane.disarm  # type: ignore[attr-defined]
         after = arm(FIRST_BUFFER, words)
