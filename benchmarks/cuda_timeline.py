@@ -312,7 +312,7 @@ def _variant(variant: str) -> tuple[str, list[str]]:
     (no early begin); ``b`` sends bucket 1 after the read, not with the begin;
     ``q`` has the engine apply every bucket in a worker thread (no quick applies), ``l``
     inline up to 1 ms of host work, not 0.5; ``p`` sends an early direct bucket 1 in a
-    message of its own after the begin (protocol 2's way), not inside it.
+    message of its own after the begin (as when the two are too large together), not inside it.
     """
     shape = variant.rstrip("iodfsgwtnebqlp")
     return shape, sorted(set(variant[len(shape) :]))

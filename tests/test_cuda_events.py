@@ -55,7 +55,7 @@ def test_ten_versions_of_every_dtype_arrive_bit_exact() -> None:
     got_by = {e["version"]: e["digests"] for e in seen if e["event"] == "committed"}
     assert sorted(sent_by) == list(range(10))
     assert got_by == sent_by
-    # from version 1 on, bucket 1 went with the begin, ahead of its packing (protocol 4)
+    # from version 1 on, bucket 1 went with the begin, ahead of its packing
     assert [e["ahead"] for e in sent if e["event"] == "sent"] == list(range(10))
 
 

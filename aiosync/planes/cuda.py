@@ -18,7 +18,7 @@ session as plain bytes (the trainer's in the hello's plane spec, the engine's in
 An event wait covers the last record made before it, and each record is made before the
 message that leads to the wait is sent, so the order holds across the two processes.
 
-Bucket 1 may go before it is packed (protocol 4, with the ``begin`` sent before the read:
+Bucket 1 may go before it is packed (with the ``begin`` sent before the read:
 :mod:`aiosync.pipeline.early_begin`), so that the engine queues its copies while the
 trainer still reads its tensors. An event cannot order that (the engine's wait would cover
 the last version's record), so the trainer also owns counters, words of its own device
