@@ -25,8 +25,12 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
 
-PROTOCOL = 5
+PROTOCOL = 6
 """The one protocol version this build speaks (bumped when a message changes shape).
+
+6: the CUDA plane's tag ``cuda`` (was ``cuda_legacy``; ``cuda_ipc`` is gone) and a colocated
+part naming its buffer as a region, so a peer of the build before is refused at the hello,
+naming both versions, rather than by an unknown plane tag.
 
 Both ends ship together, so no older version is kept. The hello still states a range
 (``protocol_min``..``protocol_max``), so that a peer of another build is refused with one
