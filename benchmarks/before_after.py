@@ -1,15 +1,16 @@
 """The code before a change and after it, run alternately in one run on one machine.
 
-    python -m benchmarks.before_after --before REV --after REV [--rounds 3] [--cuda]
+    python -m benchmarks.before_after --before REV --after REV [--rounds 3] [--cases cpu,cuda]
 
-Each revision is checked out (``git worktree``) into a temporary directory. Every case is
-run from each tree in turn, ``--rounds`` times each, alternating (before, after, before,
-...), each run a fresh process with that tree first on ``PYTHONPATH``, so both see the same
-machine state. The CPU cases are ``aiosync bench``'s: 1 GiB to one engine, to four engines,
-and 100,000 tensors of 4 bytes. With ``--cuda``, packed 2 x 1 GiB and direct mode for a
-Llama-3-8B-shaped bf16 model (the direct-mode benchmark, from whichever folder a tree holds
-it in). Prints one JSON object: every figure of every run, each case's medians, and the
-ratio after / before (lower is faster).
+Each revision is checked out (``git worktree``) into a temporary directory (or a directory
+is given). Every case is run from each tree in turn, ``--rounds`` times each, alternating
+(before, after, before, ...), each run a fresh process with that tree first on
+``PYTHONPATH``, so both see the same machine state. The CPU cases (``cpu``) are ``aiosync
+bench``'s: 1 GiB to one engine, to four engines, and 100,000 tensors of 4 bytes. The GPU
+cases (``cuda``): packed 2 x 1 GiB and direct mode for a Llama-3-8B-shaped bf16 model (the
+direct-mode benchmark, from whichever folder a tree holds it in). Prints one JSON object:
+every figure of every run, each case's medians, and the ratio after / before (lower is
+faster).
 """
 
 from __future__ import annotations
@@ -87,13 +88,16 @@ def run_once(tree: Path, argv: list[str]) -> dict[str, Any]:
     return last_json(done.stdout)
 
 
-def measure(trees: dict[str, Path], rounds: int, cuda: bool) -> dict[str, Any]:
+def measure(trees: dict[str, Path], rounds: int, kinds: set[str]) -> dict[str, Any]:
     """Every case, alternating trees ``rounds`` times; runs shared by two cases run once."""
     out: dict[str, Any] = {"rounds": rounds, "runs": {}, "medians": {}, "after_over_before": {}}
     figures: dict[str, dict[str, list[float]]] = {}
     for _ in range(rounds):
         for label, tree in trees.items():
-            cases = {**cpu_cases(), **(cuda_cases(tree) if cuda else {})}
+            cases = {
+                **(cpu_cases() if "cpu" in kinds else {}),
+                **(cuda_cases(tree) if "cuda" in kinds else {}),
+            }
             results: dict[tuple[str, ...], dict[str, Any]] = {}
             for name, (argv, figure) in cases.items():
                 key = tuple(argv)
@@ -114,7 +118,7 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="a git revision, or a directory")
     parser.add_argument("--after", default="HEAD", help="a git revision, or a directory")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cuda", action="store_true", help="also the H200 cases")
+    parser.add_argument("--cases", default="cpu", help="cpu, cuda or cpu,cuda")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="aiosync-before-after-") as scratch:
         trees: dict[str, Path] = {}
@@ -134,7 +138,10 @@ def main() -> None:
                 )
                 made.append(tree)
                 trees[label] = tree
-            result = measure(trees, args.rounds, args.cuda)
+            kinds = set(args.cases.split(","))
+            if not kinds <= {"cpu", "cuda"}:
+                parser.error(f"--cases: cpu and/or cuda, not {args.cases!r}")
+            result = measure(trees, args.rounds, kinds)
             result["before"], result["after"] = args.before, args.after
             print(json.dumps(result), flush=True)
         finally:
