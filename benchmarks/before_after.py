@@ -57,7 +57,7 @@ def cuda_cases(tree: Path) -> dict[str, Case]:
         if (tree / "benchmarks" / "cuda_direct.py").exists()
         else "aiosync.bench.cuda_direct"
     )
-    run = ["-m", module, "--size-mb", "16384", "--buffer-mb", "1024", "--repeats", "7"]
+    run = ["-m", module, "--size-mb", "15316", "--buffer-mb", "1024", "--repeats", "7"]
     return {
         "cuda_packed_2x1GiB_s": (run, lambda out: float(out["packed_median_s"])),
         "cuda_direct_s": (run, lambda out: float(out["direct_median_s"])),
