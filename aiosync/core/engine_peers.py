@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from aiosync.core.stream_state import StreamState
@@ -25,7 +26,8 @@ class SenderSession:
     ``seen``/``progress``: the loop's clock at its last message and at its stream's last
     step; ``failed_version``: the version of its last stream that failed (later messages
     of it are answered "stream already failed"); ``timeout``: the longest it said it waits
-    for an answer (None: not stated).
+    for an answer (None: not stated); ``holder``: whose share of the engine's sessions it
+    takes (:func:`aiosync.core.shares.holder`).
     """
 
     name: str
@@ -37,3 +39,4 @@ class SenderSession:
     stream: StreamState | None = None
     failed_version: int | None = None
     timeout: float | None = None
+    holder: Hashable = None

@@ -29,9 +29,10 @@ from aiosync.core.engine_actions import (
 from aiosync.core.engine_peers import Phase as Phase
 from aiosync.core.engine_peers import SenderSession as _Session
 from aiosync.core.errors import AiosyncError, ProtocolError
-from aiosync.core.hello import plane_problem, stated_timeout
+from aiosync.core.hello import plane_problem, session_slot, stated_timeout
 from aiosync.core.limits import Limits, shorten
-from aiosync.core.manifest import Expectations
+from aiosync.core.manifest import Expectations, TensorMeta
+from aiosync.core.shares import holder
 from aiosync.core.stream_state import StreamMemory, light, open_stream
 from aiosync.core.versions import check_version, past_deadline
 from aiosync.core.wire import (
@@ -62,7 +63,8 @@ class EngineSession:
     and ``ack_at`` are stated to senders in the ``ready`` (how long a commit may wait for
     read leases, and whether it is answered once live or once staged; None: not stated,
     a machine with no receiver's config behind it); ``clock`` is the
-    wall clock commits' deadlines are read on (``time.time``).
+    wall clock commits' deadlines are read on (``time.time``); ``key_of`` names the CURVE
+    key a peer came with (None: no CURVE), whose share of the sessions it takes.
     """
 
     def __init__(
@@ -76,8 +78,10 @@ class EngineSession:
         swap_timeout: float | None = None,
         ack_at: str | None = None,
         clock: Callable[[], float] = time.time,
+        key_of: Callable[[Peer], bytes | None] | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        self.key_of = key_of or (lambda peer: None)
         self.swap_timeout = swap_timeout
         self.ack_at = ack_at
         self.clock = clock
@@ -144,30 +148,43 @@ class EngineSession:
         """A frame from ``peer`` that is not a message: end its session and say why."""
         return self._protocol_error(peer, error.reason)
 
+    @property
+    def manifests(self) -> list[list[TensorMeta]]:
+        """The manifests held now: each open stream's and the last whole stream's."""
+        held = [s.stream.manifest for s in self.sessions.values() if s.stream is not None]
+        memory = [self.memory.manifest] if self.memory is not None else []
+        return [manifest for manifest in held if manifest is not None] + memory
+
     def light(self, peer: Peer, message: Message) -> bool:
         """Whether ``message``'s checks are bounded work now (:func:`.stream_state.light`)."""
         session = self.sessions.get(peer)
         return light(message, session.stream if session else None, self.memory)
 
     def _on_hello(self, peer: Peer, hello: Hello, now: float) -> list[Action]:
-        actions = self._drop(peer, "sender reconnected") if peer in self.sessions else []
+        known = peer in self.sessions
+        actions = self._drop(peer, "sender reconnected") if known else []
         sizes = hello.plane.sizes
-        problem = plane_problem(
-            sizes, self.limits, sessions_open=len(self.sessions), reconnecting=peer in self.sessions
-        )
+        who = holder(peer, self.key_of(peer))
+        problem = plane_problem(sizes, self.limits)
         if not hello.protocol_min <= PROTOCOL <= hello.protocol_max:
             theirs = spoken(hello.protocol_min, hello.protocol_max)
             problem = (
                 f"session refused: the sender speaks {theirs}, this engine "
                 f"{spoken(PROTOCOL, PROTOCOL)} (run the same aiosync release on both ends)"
             )
+        if problem is None and not known:
+            idle = self.session_timeout
+            problem, closing = session_slot(self.sessions, who, self.limits, now, idle)
+            if closing is not None:  # every slot taken: the longest idle session goes
+                victim, why = closing
+                actions += [Reply(victim, Abort(why)), *self._drop(victim, why)]
         if problem is not None:
             self.protocol_errors += 1
             return [*actions, Reply(peer, Abort(problem))]
         name = f"{shorten(hello.sender, 64)}@{peer}"
         session = shorten(hello.session, self.limits.max_name_length)
         timeout = stated_timeout(hello.timeout)
-        self.sessions[peer] = _Session(name, session, sizes, now, now, timeout=timeout)
+        self.sessions[peer] = _Session(name, session, sizes, now, now, timeout=timeout, holder=who)
         return [*actions, OpenPlane(peer, hello.plane)]
 
     def plane_opened(self, peer: Peer) -> list[Action]:

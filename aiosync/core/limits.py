@@ -29,6 +29,8 @@ class Limits(msgspec.Struct, frozen=True):
     """Bytes one session's plane may map."""
     max_sessions: int = 64
     """Sessions open at once."""
+    max_sessions_per_key: int = 32
+    """Sessions one CURVE key may hold at once (without CURVE: one per connection)."""
     max_name_length: int = 1024
     """Characters in a tensor name, a sender name or any peer-chosen string kept."""
     max_failures: int = 1000

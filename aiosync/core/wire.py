@@ -18,6 +18,8 @@ Sequence numbers count within a version, so every engine of a fleet gets the sam
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from aiosync.core.errors import ProtocolError
@@ -418,14 +420,32 @@ class ManifestMemo:
             raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from None
         return Begin(message.version, manifest, message.empty, message.rebase, message.first)
 
-    def settle(self, accepted: list[TensorMeta] | None) -> None:
+    def settle(
+        self, accepted: list[TensorMeta] | None, held: list[TensorMeta] | None = None
+    ) -> None:
         """The message last decoded, a ``begin``, was decided: keep its manifest if ``accepted``.
 
-        (None: refused, or no manifest; what was decoded for it is let go.)
+        (None: refused, or no manifest; what was decoded for it is let go.) ``held``: the
+        equal list the engine's stream holds instead (its stream memory's), kept in its place.
         """
         pending, self._pending = self._pending, None
         if pending is not None and accepted is pending[1]:
-            self._last = pending
+            self._last = (pending[0], accepted if held is None else held)
+
+    def keep_only(self, held: Iterable[object]) -> None:
+        """Let the kept manifest go unless it is one of ``held`` (the very list).
+
+        An engine passes what its open streams and its stream memory hold, so a manifest
+        no stream holds any more, such as an abandoned begin's, is not kept either.
+        """
+        last = self._last
+        if last is not None and not any(manifest is last[1] for manifest in held):
+            self._last = None
+
+    @property
+    def kept(self) -> tuple[int, list[TensorMeta] | None]:
+        """The kept manifest's encoded bytes and its list (0 and None: none is kept)."""
+        return (0, None) if self._last is None else (len(self._last[0]), self._last[1])
 
     def _manifest(self, data: bytes) -> list[TensorMeta]:
         last = self._last

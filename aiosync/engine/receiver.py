@@ -51,6 +51,7 @@ from aiosync.engine.challenges import Challenges
 from aiosync.engine.commit import Swapper, SwapStats
 from aiosync.engine.config import ReceiverConfig
 from aiosync.engine.held import HeldBuckets, held_or_parts
+from aiosync.engine.holding import Holding, holding
 from aiosync.engine.leases import LeaseGate
 from aiosync.engine.live_hook import OnLive
 from aiosync.engine.quick_apply import QuickApplies, views_at_once, worker_stream
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is nearer
 BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding runs in a worker thread
-INBOX = 64  # messages waiting for the serving loop, from all peers together
+INBOX = 0  # messages waiting for the serving loop: each pump hands its own over in turn
 
 
 def _accepted(actions: list[Action], peer: Peer) -> bool:
@@ -198,6 +199,12 @@ class WeightReceiver:
         return len(self._machine.sessions) if self._machine else 0
 
     @property
+    def holding(self) -> Holding:
+        """What this receiver holds for its peers now: bytes queued, manifests kept."""
+        queued = getattr(self._listener, "queued_bytes", 0)
+        return holding(self._session, self._messages, queued if isinstance(queued, int) else 0)
+
+    @property
     def streaming(self) -> str | None:
         """The sender whose version is being received now, if any."""
         machine = self._machine
@@ -255,6 +262,7 @@ class WeightReceiver:
             limits=self.config.limits,
             swap_timeout=self.config.swap_timeout,
             ack_at=self.config.ack_at,
+            key_of=self._key_of,
         )
         if isinstance(self._endpoint, str | None):
             from aiosync.channels.zmq import ZmqListener
@@ -294,6 +302,11 @@ class WeightReceiver:
                 with anyio.CancelScope(shield=True):
                     await self._listener.aclose()
 
+    def _key_of(self, peer: Peer) -> bytes | None:
+        """The CURVE key ``peer``'s channel came with (None: no CURVE)."""
+        key = getattr(self._channels.get(peer), "key", None)
+        return key if isinstance(key, bytes) else None
+
     # --- the loops --------------------------------------------------------------------
 
     async def _accept(self, inbox: MemoryObjectSendStream[tuple[Peer, bytes]]) -> None:
@@ -329,6 +342,7 @@ class WeightReceiver:
                 if item is not None:
                     await self._perform(await self._decide(*item), also=item[0])
                 await self._perform(machine.expire(time.monotonic()))
+                self._messages.keep_only(machine.manifests)  # not an abandoned begin's
 
     async def _decide(self, peer: Peer, payload: bytes) -> list[Action]:
         """Decode and hand to the session.
@@ -359,7 +373,9 @@ class WeightReceiver:
         plane, in_thread = self._planes.get(peer), walks_tensors(message)
         actions = await receive_through_plane(plane, machine, peer, message, in_thread)
         if isinstance(message, Begin):  # its manifest is kept by its bytes once accepted
-            self._messages.settle(message.manifest if _accepted(actions, peer) else None)
+            session = machine.sessions.get(peer)
+            held = session.stream.manifest if session and session.stream else None
+            self._messages.settle(message.manifest if _accepted(actions, peer) else None, held)
         if first is not None and peer in machine.sessions:  # not after a protocol error
             plane, in_thread = self._planes.get(peer), walks_tensors(first)
             actions += await receive_through_plane(plane, machine, peer, first, in_thread)
