@@ -120,9 +120,9 @@ def engine_collective_hooks(rec: Recorder, sink: Any) -> None:
     plane = collective_receiver.CollectiveReceiverPlane
     view = plane.view
 
-    def marked_view(self: Any, index: int, used: int) -> Any:
+    def marked_view(self: Any, index: int, used: int, context: Any = None) -> Any:
         rec.mark("view0", rec.seq)
-        return view(self, index, used)
+        return view(self, index, used, context)
 
     plane.view = marked_view  # type: ignore[method-assign]
     _broadcasts(rec)

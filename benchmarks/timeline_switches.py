@@ -66,21 +66,21 @@ def old_copies_switch() -> set[str]:
     new_apply = bulk_apply.CopyPrograms.apply_parts
     new_queue = cuda_copies.DeviceCopies.queue
 
-    def pack(buffer: Any, plan: Any, stream: Any, copies: Any) -> None:
+    def pack(buffer: Any, plan: Any, stream: Any, copies: Any, context: Any = None) -> None:
         if "o" in mode:
             pack_bucket(buffer.tensor, plan)
         else:
-            new_pack(buffer, plan, stream, copies)
+            new_pack(buffer, plan, stream, copies, context)
 
-    def apply(self: Any, parts: list[Any], target: Any) -> Any:
+    def apply(self: Any, parts: list[Any], target: Any, context: Any = None) -> Any:
         if "o" in mode and parts and parts[0][0].is_cuda:
             return parts
-        return new_apply(self, parts, target)
+        return new_apply(self, parts, target, context)
 
     widths: dict[int, int] = {}  # each instance's own width, by id
     graphs: dict[int, bool] = {}  # and whether it makes graphs
 
-    def queue(self: Any, jobs: Any, stream: Any) -> None:
+    def queue(self: Any, jobs: Any, stream: Any, context: Any = None) -> None:
         own = widths.setdefault(id(self), self.width)
         self.width = 1 if "s" in mode else own
         if "n" in mode:
@@ -88,15 +88,10 @@ def old_copies_switch() -> set[str]:
             self.graphs = False
         elif id(self) in graphs:
             self.graphs = graphs.pop(id(self))
-        new_queue(self, jobs, stream)
+        if "g" in mode and context is not None:  # the side stream waits on its fork only
+            context.gates = []
+        new_queue(self, jobs, stream, context)
 
-    take_gates = cuda_copies._take_gates
-
-    def gates() -> Any:
-        taken = take_gates()
-        return [] if "g" in mode else taken
-
-    cuda_copies._take_gates = gates
     cuda._pack = pack  # type: ignore[assignment]
     bulk_apply.CopyPrograms.apply_parts = apply  # type: ignore[method-assign]
     cuda_copies.DeviceCopies.queue = queue  # type: ignore[method-assign]

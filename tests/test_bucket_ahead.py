@@ -32,7 +32,7 @@ from aiosync.core.wire import Begin, Bucket, decode
 from aiosync.engine.quick_apply import QuickApplies
 from aiosync.pipeline.early_begin import EarlyBegin
 from aiosync.pipeline.fanout import kept_first_payload
-from aiosync.planes import view_parts
+from aiosync.planes import BucketContext, ReceiverPlane, view_parts
 from aiosync.planes.shm import ShmReceiverPlane, ShmSenderPlane
 from tests.test_early_begin import Logged
 
@@ -89,7 +89,9 @@ def counter(monkeypatch: pytest.MonkeyPatch) -> Counter:
             state["armed"] = None
             made.set(armed[1])
 
-    def wait_after(self: ShmReceiverPlane, value: int) -> None:
+    def wait_after(
+        self: ShmReceiverPlane, value: int, context: BucketContext | None = None
+    ) -> None:
         made.wait(value)
 
     monkeypatch.setattr(ShmSenderPlane, "arm", arm, raising=False)
@@ -198,19 +200,23 @@ async def test_a_failed_read_releases_the_counter_the_engine_waits_for(
 def test_a_bucket_ahead_reaches_the_plane_before_its_view() -> None:
     calls: list[Any] = []
 
-    class Plane:
-        def wait_after(self, value: int) -> None:
-            calls.append(("wait_after", value))
-
-        def view(self, index: int, used: int) -> torch.Tensor:
+    class Plane(ReceiverPlane):
+        def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
             calls.append(("view", index))
             return torch.zeros(used, dtype=torch.uint8)
 
+        def close(self) -> None:
+            pass
+
+    class Counted(Plane):
+        def wait_after(self, value: int, context: BucketContext | None = None) -> None:
+            calls.append(("wait_after", value))
+
     specs = [TensorSpec("w", "float32", (1,), 0, 4)]
-    view_parts(Plane(), Apply(None, 1, 1, 0, 4, specs, after=7))  # type: ignore[arg-type]
+    view_parts(Counted(), Apply(None, 1, 1, 0, 4, specs, after=7))  # type: ignore[arg-type]
     assert calls == [("wait_after", 7), ("view", 0)]
-    with pytest.raises(ProtocolError, match="no counter"):
-        view_parts(object(), Apply(None, 1, 1, 0, 4, specs, after=7))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="no counter"):  # a plane without a counter
+        view_parts(Plane(), Apply(None, 1, 1, 0, 4, specs, after=7))  # type: ignore[arg-type]
 
 
 def test_the_kept_first_payload_of_a_ring_plan_names_its_counter_value() -> None:

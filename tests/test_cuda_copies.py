@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from aiosync.core.layout import plan_buckets
+from aiosync.planes.base import BucketContext
 from aiosync.planes.cuda_copies import SPREAD_MIN_BYTES, DeviceCopies, deal, plain_jobs
 from tests.conftest import requires_cuda
 
@@ -123,34 +124,32 @@ def two_halves() -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]
 
 @pytest.mark.gpu
 @requires_cuda
-def test_a_gate_is_noted_and_taken_by_the_next_batch_on_this_thread() -> None:
+def test_a_gate_is_noted_and_taken_by_the_next_batch_of_its_bucket() -> None:
     """Bookkeeping only: gates change when the side stream may start, never what it copies."""
     from aiosync.planes import cuda_copies
 
     stream = torch.cuda.current_stream()
     gate = torch.cuda.Event()
     gate.record(stream)
-    cuda_copies._forget_hints()
-    cuda_copies.wait_gate(stream, gate)
-    assert cuda_copies._next.gates == [gate]
+    context = BucketContext()
+    cuda_copies.wait_gate(stream, gate, context)
+    assert context.gates == [gate]
     _src, dst, jobs = two_halves()  # the source lives until the test ends
-    DeviceCopies(0).queue(jobs, stream)
-    assert cuda_copies._next.gates == []  # taken by that batch
+    DeviceCopies(0).queue(jobs, stream, context)
+    assert context.gates == []  # taken by that batch
     torch.cuda.synchronize()
     assert bool(dst.all())
 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_one_stream_next_keeps_only_the_next_batch_on_the_callers_stream() -> None:
-    from aiosync.planes.cuda_copies import one_stream_next
-
+def test_one_stream_keeps_only_the_next_batch_on_the_callers_stream() -> None:
     _src, dst, jobs = two_halves()  # the source lives until the test ends
     copies = DeviceCopies(0)
-    one_stream_next()
-    copies.queue(jobs, torch.cuda.current_stream())
+    context = BucketContext(one_stream=True)
+    copies.queue(jobs, torch.cuda.current_stream(), context)
     assert copies._fork is None  # one stream
-    copies.queue(jobs, torch.cuda.current_stream())
+    copies.queue(jobs, torch.cuda.current_stream(), context)
     assert copies._fork is not None  # the batch after is spread again
     torch.cuda.synchronize()
     assert bool(dst.all())
@@ -158,19 +157,24 @@ def test_one_stream_next_keeps_only_the_next_batch_on_the_callers_stream() -> No
 
 @pytest.mark.gpu
 @requires_cuda
-def test_a_hint_scope_leaves_no_hint_behind() -> None:
+def test_hints_stay_with_their_bucket_context() -> None:
+    """A batch queued without a context (or with another) takes none of a context's hints."""
     from aiosync.planes import cuda_copies
 
     stream = torch.cuda.current_stream()
     gate = torch.cuda.Event()
     gate.record(stream)
-    with cuda_copies.hint_scope():
-        cuda_copies.wait_gate(stream, gate)
-        cuda_copies.one_stream_next()
-        cuda_copies.graph_next()
-    assert cuda_copies._take_gates() == []
-    assert cuda_copies._take_one_stream() is False
-    assert cuda_copies._take_graph() is False
+    context = BucketContext(one_stream=True, graph=True)
+    cuda_copies.wait_gate(stream, gate, context)
+    _src, dst, jobs = two_halves()  # the source lives until the test ends
+    copies = DeviceCopies(0)
+    copies.queue(jobs, stream)
+    copies.queue(jobs, stream, BucketContext())
+    assert copies._fork is not None  # spread: the one-stream hint was not theirs
+    assert context.take() == ([gate], True, True)
+    assert context.take() == ([], False, False)  # taken once
+    torch.cuda.synchronize()
+    assert bool(dst.all())
 
 
 class FakeGraph:
@@ -236,7 +240,7 @@ def test_batches_seen_once_are_remembered_up_to_a_bound(monkeypatch: pytest.Monk
 def test_a_recurring_batch_runs_as_a_graph_bit_exact_and_ordered(width: int) -> None:
     """Round 1 copy by copy, round 2 makes the graph, rounds 3 and 4 launch it: each time
     after the work queued before it on the caller's stream and before the work after."""
-    from aiosync.planes.cuda_copies import GRAPH_MIN_JOBS, graph_next
+    from aiosync.planes.cuda_copies import GRAPH_MIN_JOBS
 
     gen = torch.Generator(device="cuda:0").manual_seed(3)
     sizes = [(i * 7919) % (MiB // 2) + 1 for i in range(2 * GRAPH_MIN_JOBS)] + [9 * MiB]
@@ -253,8 +257,7 @@ def test_a_recurring_batch_runs_as_a_graph_bit_exact_and_ordered(width: int) -> 
             torch.cuda._sleep(2_000_000)  # the copies must wait for this
             for src in sources:
                 src.add_(1)
-            graph_next()
-            copies.queue(jobs, stream)
+            copies.queue(jobs, stream, BucketContext(graph=True))
             assert len(copies._kept) == (0 if round_ == 0 else 1)
             sums = torch.stack([t.sum(dtype=torch.int64) for t in targets])
             expected = torch.stack([s.sum(dtype=torch.int64) for s in sources])
@@ -293,7 +296,7 @@ def test_a_copy_graph_copies_every_job_and_refuses_a_launch_once_closed(
 def test_a_batch_behind_a_pending_gate_is_queued_copy_by_copy() -> None:
     """A gate still pending (another process's work, here a spin on another stream) keeps
     the batch off its graph; once the gate fired, the recurring batch runs as one. Without
-    the hint (:func:`graph_next`) no batch is ever a graph."""
+    the hint (``BucketContext.graph``) no batch is ever a graph."""
     from aiosync.planes import cuda_copies
 
     src = torch.ones(64 * 1024, dtype=torch.uint8, device="cuda:0")
@@ -305,22 +308,21 @@ def test_a_batch_behind_a_pending_gate_is_queued_copy_by_copy() -> None:
     for _ in range(3):
         copies.queue(jobs, stream)  # not asked for: never a graph
     assert not copies._kept
-    cuda_copies.graph_next()
-    copies.queue(jobs, stream)  # seen once
+    copies.queue(jobs, stream, BucketContext(graph=True))  # seen once
     other = torch.cuda.Stream()
     gate = torch.cuda.Event()
     with torch.cuda.stream(other):
         torch.cuda._sleep(200_000_000)  # long enough to be pending at the next queue
         gate.record(other)
-    cuda_copies.wait_gate(stream, gate)
-    cuda_copies.graph_next()
-    copies.queue(jobs, stream)
+    context = BucketContext(graph=True)
+    cuda_copies.wait_gate(stream, gate, context)
+    copies.queue(jobs, stream, context)
     assert not copies._kept  # pending gate: no graph
     torch.cuda.synchronize()
     assert gate.query()
-    cuda_copies.wait_gate(stream, gate)
-    cuda_copies.graph_next()
-    copies.queue(jobs, stream)
+    context = BucketContext(graph=True)
+    cuda_copies.wait_gate(stream, gate, context)
+    copies.queue(jobs, stream, context)
     assert len(copies._kept) == 1  # fired: the graph
     torch.cuda.synchronize()
     assert bool(dst.all())

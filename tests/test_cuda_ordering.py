@@ -5,7 +5,7 @@ the trainer's side, ``events``/``applied`` on the engine's) and the order of cal
 recorded: the engine's events reach the trainer in its ready, each buffer is packed again
 only after every ack of its last use was handed to ``consumed``, the engine records
 ``applied`` after the sink queued its copies, and the sink's device wait is deferred only
-inside such an apply.
+inside such an apply (the bucket's context, handed to the sink, says so).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
-from aiosync.core.layout import BucketPlan, TensorSpec
-from aiosync.planes.cuda_order import sync_deferred
+from aiosync.core.layout import BucketPlan
+from aiosync.planes.base import BucketContext, Part
 from aiosync.planes.shm import ShmReceiverPlane, ShmSenderPlane
 
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
@@ -30,9 +30,9 @@ class RecordingSink(ModuleSink):
         super().__init__(model)
         self.log = log
 
-    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
-        self.log.append(("apply", sync_deferred()))
-        super().apply_bucket(bucket, specs)
+    def apply_with(self, parts: list[Part], context: BucketContext) -> None:
+        self.log.append(("apply", context.deferred))
+        super().apply_with(parts, context)
 
 
 @only_asyncio

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aiosync.core.layout import SMALL_COPY, TensorSpec, address_copy, is_plain
+from aiosync.planes.base import BucketContext
 from aiosync.planes.cuda_copies import DeviceCopies
 from aiosync.planes.cuda_graphs import CopyJob
 
@@ -113,13 +114,17 @@ class CopyPrograms:
         return self.apply_parts([(bucket, specs)], target)[0][1]
 
     def apply_parts(
-        self, parts: list[Part], target: Callable[[TensorSpec], torch.Tensor | None]
+        self,
+        parts: list[Part],
+        target: Callable[[TensorSpec], torch.Tensor | None],
+        context: BucketContext | None = None,
     ) -> list[Part]:
         """:meth:`apply` for a bucket in several parts (a direct bucket's regions) at once.
 
         One program a part, kept together under the first part's spec list, their copies
-        queued in one loop; on CUDA the device and stream are set up once for all. Returns
-        each part with the specs left over (in the order given; empty where all were copied).
+        queued in one loop; on CUDA the device and stream are set up once for all, and the
+        copies take the hints of the bucket's ``context``. Returns each part with the specs
+        left over (in the order given; empty where all were copied).
         """
         if not parts:
             return parts
@@ -146,7 +151,8 @@ class CopyPrograms:
         merged = kept.merged
         jobs = _jobs(merged)
         if first.is_cuda:
-            self._device_copies(first.device).queue(jobs, torch.cuda.current_stream(first.device))
+            stream = torch.cuda.current_stream(first.device)
+            self._device_copies(first.device).queue(jobs, stream, context)
         else:
             for job in jobs:
                 address_copy(*job)

@@ -18,7 +18,9 @@ from aiosync.core.layout import (
     tensor_bytes,
 )
 from aiosync.core.manifest import Expectations, Expected, TensorMeta
+from aiosync.engine.sink_base import WeightSink
 from aiosync.engine.sink_tools import Rename, rename_function, sync_cuda
+from aiosync.planes.base import BucketContext, Part
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
@@ -57,7 +59,7 @@ def one_name_each(manifest: Iterable[TensorMeta], rename: Callable[[str], str] |
             )
 
 
-class CallbackSink:
+class CallbackSink(WeightSink):
     """Hands each bucket's tensors to ``load_weights(pairs)``, the shape of vLLM's loader.
 
     The tensors are views into shared memory (on the CPU mapped read-only: a write through
@@ -98,6 +100,7 @@ class CallbackSink:
         self._rename = rename_function(rename)
         self._assembling: dict[str, torch.Tensor] = {}
         self._sent_as: dict[str, str] = {}  # renamed -> sent name, this version
+        self._context: BucketContext | None = None  # the bucket's, during apply_with
 
     @property
     def device(self) -> torch.device:
@@ -159,7 +162,15 @@ class CallbackSink:
             ready = [(name, self._converted(name, tensor)) for name, tensor in ready]
         if ready:
             self._load(ready)
-        sync_cuda([self._device])
+        sync_cuda([self._device], self._context)
+
+    def apply_with(self, parts: list[Part], context: BucketContext) -> None:
+        """One bucket from the receiver, one :meth:`apply_bucket` a part, under its context."""
+        self._context = context
+        try:
+            super().apply_with(parts, context)
+        finally:
+            self._context = None
 
     def _converted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` in the dtype expected under ``name`` (itself when it already is)."""

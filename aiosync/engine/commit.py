@@ -174,8 +174,7 @@ class Swapper:
     async def _swap(self, version: int) -> None:
         """The sink's commit: on the loop when no byte moves, else in a worker thread."""
         started, cpu = time.perf_counter(), time.thread_time()
-        quick = getattr(self.sink, "commit_quickly", None)
-        if quick is not None and quick(version):
+        if self.sink.commit_quickly(version):
             self.stats.last_swap_cpu = time.thread_time() - cpu
         else:
             self.stats.last_swap_cpu = await anyio.to_thread.run_sync(

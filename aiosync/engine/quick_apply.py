@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from aiosync.core.engine_actions import Apply
+from aiosync.planes.base import ReceiverPlane
 
 INLINE_APPLY = 0.5e-3
 """Seconds of host work, last time, up to which a bucket's apply runs on the loop.
@@ -76,13 +77,14 @@ def _for_resume(action: Apply) -> bool:
     return action.held or action.digest is not None
 
 
-def views_at_once(plane: object) -> bool:
+def views_at_once(plane: ReceiverPlane | type[ReceiverPlane]) -> bool:
     """Whether ``plane``'s buckets may be applied on the loop: its views never wait on the host.
 
-    Opt-in (``views_at_once = True`` on the plane's class): shared memory, CUDA planes
-    ordered by events, direct mode. Not a collective plane, whose view joins a broadcast.
+    Opt-in (:attr:`~aiosync.planes.base.ReceiverPlane.views_at_once` on the plane's class):
+    shared memory, CUDA planes ordered by events, direct mode. Not a collective plane,
+    whose view joins a broadcast.
     """
-    return getattr(plane, "views_at_once", False) is True
+    return plane.views_at_once
 
 
 @contextmanager

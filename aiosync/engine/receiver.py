@@ -55,8 +55,8 @@ from aiosync.engine.holding import Holding, holding
 from aiosync.engine.leases import LeaseGate
 from aiosync.engine.live_hook import OnLive
 from aiosync.engine.quick_apply import QuickApplies, views_at_once, worker_stream
-from aiosync.engine.sink_shape import check_sink
-from aiosync.engine.sinks import WeightSink, apply_parts
+from aiosync.engine.sink_shape import SinkShape, as_weight_sink
+from aiosync.engine.sinks import WeightSink
 from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
 from aiosync.planes.cuda_order import ordered_apply, receive_through_plane, with_plane_events
@@ -104,11 +104,14 @@ class WeightReceiver:
     be taken back; the sender hears it committed), the error is logged and kept in
     ``swap_stats.on_live_error``, and :attr:`servable` is False until a later version's hook
     returns (:mod:`aiosync.engine.live_hook`).
+
+    ``sink`` is a :class:`WeightSink`, or an object of its shape that does not subclass it
+    (then :attr:`sink` is that object in a :class:`~aiosync.engine.sink_shape.SinkAdapter`).
     """
 
     def __init__(
         self,
-        sink: WeightSink,
+        sink: WeightSink | SinkShape,
         endpoint: str | Listener | None = None,
         *,
         config: ReceiverConfig | None = None,
@@ -122,7 +125,7 @@ class WeightReceiver:
             raise UsageError(f"bind {endpoint!r} or connect to {connect!r}, not both")
         if isinstance(endpoint, str):
             check_endpoint(endpoint, binding=True)
-        check_sink(sink)
+        sink = as_weight_sink(sink)  # a duck-typed sink is adapted (refused if it lacks a member)
         self._connect = connect
         self.sink, self.held = sink, held
         self._auth = auth
@@ -136,7 +139,7 @@ class WeightReceiver:
         self._limiter = anyio.CapacityLimiter(1)
         self._quick = QuickApplies()  # buckets measured quick: applied on the loop
         self._messages = ManifestMemo()  # decodes; an unchanged manifest is not decoded again
-        self._quick_sink = bool(getattr(sink, "applies_quickly", lambda: False)())
+        self._quick_sink = sink.applies_quickly()
         self._committed = anyio.Event()
         self._leases = LeaseGate()
         self._swapper = Swapper(sink, self._leases, self.config, self._limiter, on_live)
@@ -251,9 +254,7 @@ class WeightReceiver:
     async def __aenter__(self) -> WeightReceiver:
         require_asyncio("WeightReceiver")
         expectations = await anyio.to_thread.run_sync(self.sink.expectations)
-        reserve = getattr(self.sink, "reserve", None)  # optional: room to stage a version
-        if reserve is not None:
-            await anyio.to_thread.run_sync(reserve)
+        await anyio.to_thread.run_sync(self.sink.reserve)  # room to stage a version
         self._machine = EngineSession(
             expectations=expectations,
             staged=self.sink.staged,
@@ -427,7 +428,7 @@ class WeightReceiver:
         machine = self._session
         if isinstance(action, OpenPlane):
             try:
-                devices = getattr(self.sink, "part_devices", None)  # a RankedSink's
+                devices = self.sink.part_devices  # a RankedSink's
                 plane = await anyio.to_thread.run_sync(
                     open_receiver_plane, action.plane, self.sink.device, self.config.limits, devices
                 )
@@ -476,13 +477,13 @@ class WeightReceiver:
         Its time is noted: a bucket that was quick goes on the loop next time.
         """
         started, wall = time.thread_time(), time.perf_counter()
-        with ordered_apply(plane, action.buffer):
-            parts = view_parts(plane, action)
+        with ordered_apply(plane, action.buffer) as context:
+            parts = view_parts(plane, action, context)
             if len(parts) > 1 and not action.held:  # a direct bucket's regions: one call
-                apply_parts(self.sink, parts)
+                self.sink.apply_with(parts, context)
             else:
-                for bucket, specs in held_or_parts(self.held, parts, action):
-                    self.sink.apply_bucket(bucket, specs)
+                for part in held_or_parts(self.held, parts, action):
+                    self.sink.apply_with([part], context)
         seconds = time.thread_time() - started
         if on_loop:  # what the loop was held, waits included
             seconds = max(seconds, time.perf_counter() - wall)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from aiosync.planes.cuda_order import sync_deferred
+from aiosync.planes.base import BucketContext
 
 Rename = Mapping[str, str] | Callable[[str], str]
 
@@ -19,12 +19,13 @@ def rename_function(rename: Rename | None) -> Callable[[str], str] | None:
     return lambda name: table.get(name, name)
 
 
-def sync_cuda(devices: Iterable[torch.device]) -> None:
+def sync_cuda(devices: Iterable[torch.device], context: BucketContext | None = None) -> None:
     """Wait for this thread's copies on every CUDA device among ``devices``.
 
-    Not while a CUDA plane orders this thread's copies with events (it records its own).
+    Not for a bucket whose ``context`` says ``deferred``: a CUDA plane orders its copies
+    with events (it records its own), and the wait comes once, at commit.
     """
-    if sync_deferred():
+    if context is not None and context.deferred:
         return
     for device in devices:
         if device.type == "cuda":

@@ -1,18 +1,18 @@
 """Where received tensors go: into an ``nn.Module`` by name, or to a ``load_weights`` callback.
 
-A sink says once what it takes (:meth:`WeightSink.expectations`), which the engine's session
-checks every version and bucket against before any memory is touched. It is then driven
-from one worker thread: :meth:`WeightSink.apply_bucket` with a bucket's bytes (a flat
-``uint8`` view of the data plane, valid only during the call) and the checked specs saying
-where each tensor lies in them, then :meth:`WeightSink.commit` or :meth:`WeightSink.abort`
-at the end of the version. (A sink that says ``applies_quickly()`` may have a bucket
-applied on the event loop instead: :mod:`aiosync.engine.quick_apply`.)
+A sink (:class:`WeightSink`, declared in :mod:`aiosync.engine.sink_base`) says once what it
+takes (:meth:`WeightSink.expectations`), which the engine's session checks every version
+and bucket against before any memory is touched. It is then driven from one worker thread:
+:meth:`WeightSink.apply_bucket` with a bucket's bytes (a flat ``uint8`` view of the data
+plane, valid only during the call) and the checked specs saying where each tensor lies in
+them, then :meth:`WeightSink.commit` or :meth:`WeightSink.abort` at the end of the version.
+(A sink that says ``applies_quickly()`` may have a bucket applied on the event loop
+instead: :mod:`aiosync.engine.quick_apply`.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
 
 import torch
 
@@ -31,55 +31,15 @@ from aiosync.core.layout import (
 from aiosync.core.manifest import Expectations, expectations_of, module_tensors
 from aiosync.engine.bulk_apply import CopyPrograms, Part
 from aiosync.engine.callback_sink import CallbackSink, LoadWeights
+from aiosync.engine.sink_base import WeightSink, apply_parts
 from aiosync.engine.sink_tools import Rename, rename_function, sync_cuda
 from aiosync.engine.staging import SWAPS, Staging, Swap
+from aiosync.planes.base import BucketContext
 
 QUICK_COMMIT_TENSORS = 1024  # most tensors a pointer swap moves on the event loop (~1-4 ms)
 
 
-class WeightSink(Protocol):
-    """What a receiver needs from the thing that owns the weights.
-
-    Optional, and so not declared here (the receiver looks for each and does without it):
-
-    - ``reserve()``, which the receiver calls once (in a worker thread) when it starts, to
-      allocate what staging a version needs, raising an :class:`~aiosync.AiosyncError` that
-      says how many bytes are needed and how many are free when they are not
-      (:meth:`ModuleSink.reserve`);
-    - ``commit_quickly(version) -> bool``, tried on the event loop before :meth:`commit`
-      runs in a worker thread: True when it committed without moving bytes (a pointer
-      swap, :meth:`ModuleSink.commit_quickly`);
-    - ``applies_quickly() -> bool``: True lets the receiver apply a bucket that was quick
-      last time on its event loop (:meth:`ModuleSink.applies_quickly`);
-    - ``part_devices``, for a sink made of one sink per trainer rank: the device each part
-      of a gathered plane is opened on (:attr:`aiosync.topology.RankedSink.part_devices`);
-    - ``apply_parts(parts)``, one call for a bucket that comes in several (bytes, specs)
-      parts (a direct bucket's trainer regions), where the sink can set its copies up once
-      a bucket (:meth:`ModuleSink.apply_parts`; :func:`apply_parts` says when it is used).
-    """
-
-    @property
-    def device(self) -> torch.device:
-        """Where the weights live (CUDA buffers are opened on this device)."""
-
-    @property
-    def staged(self) -> bool:
-        """True when nothing visible changes before :meth:`commit` (a broken stream is harmless)."""
-
-    def expectations(self) -> Expectations | None:
-        """What the sink takes and what a version must cover; None: anything, nothing."""
-
-    def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
-        """Take one bucket: ``bucket`` holds each spec's bytes at ``spec.offset``."""
-
-    def commit(self, version: int) -> None:
-        """Make everything applied since the last commit visible as ``version``."""
-
-    def abort(self) -> None:
-        """Forget everything applied since the last commit that is not yet visible."""
-
-
-class ModuleSink:
+class ModuleSink(WeightSink):
     """Copies tensors into a module's parameters and buffers (or a name -> tensor map) by name.
 
     In-place (default) writes straight into the weights: fastest and no extra memory, but a
@@ -153,6 +113,7 @@ class ModuleSink:
         self._programs = CopyPrograms()  # in place: repeated buckets in one call each
         self._writer: dict[str, str] = {}  # owner -> the sent name writing it this version
         self._assembling: dict[str, torch.Tensor] = {}  # chunks of a tensor to cast
+        self._context: BucketContext | None = None  # the bucket's, during apply_with
 
     @property
     def device(self) -> torch.device:
@@ -250,14 +211,27 @@ class ModuleSink:
 
         One call a bucket: in place and without a rename, one copy program a part, set up
         (device, stream) once for all; everything else spec by spec; one device wait at the
-        end (none while a CUDA plane orders the copies).
+        end (none while a CUDA plane orders the copies: the bucket's context says so).
         """
+        context = self._context
         if self._staging is None and self._rename is None:
-            parts = self._programs.apply_parts(parts, self._as_is)
+            parts = self._programs.apply_parts(parts, self._as_is, context)
         for bucket, specs in parts:
             if specs:
                 self._copy_specs(bucket, specs)
-        sync_cuda(self._devices)
+        sync_cuda(self._devices, context)
+
+    def apply_with(self, parts: list[Part], context: BucketContext) -> None:
+        """One bucket from the receiver: its parts, under its context (hints, deferred wait).
+
+        The context holds for this call, also through a subclass's override of
+        :meth:`apply_bucket` or :meth:`apply_parts` that calls this class's.
+        """
+        self._context = context
+        try:
+            super().apply_with(parts, context)
+        finally:
+            self._context = None
 
     def applies_quickly(self) -> bool:
         """Whether a bucket's apply may run on the receiver's event loop (if quick last time).
@@ -341,32 +315,6 @@ class ModuleSink:
             self._staging.abort()
         self._writer.clear()
         self._assembling.clear()
-
-
-def apply_parts(sink: WeightSink, parts: list[Part]) -> None:
-    """Hand ``sink`` one bucket's parts: in one call where it takes them together.
-
-    That is a sink whose ``apply_parts`` is at least as specific as its ``apply_bucket``
-    (a subclass, or an instance, that overrides only ``apply_bucket`` gets one call a
-    part, as does any other sink).
-    """
-    if len(parts) > 1 and _takes_parts(sink):
-        sink.apply_parts(parts)  # type: ignore[attr-defined]
-        return
-    for bucket, specs in parts:
-        sink.apply_bucket(bucket, specs)
-
-
-def _takes_parts(sink: WeightSink) -> bool:
-    own = getattr(sink, "__dict__", {})
-    if "apply_bucket" in own:
-        return "apply_parts" in own
-    for cls in type(sink).__mro__:
-        if "apply_parts" in cls.__dict__:
-            return True
-        if "apply_bucket" in cls.__dict__:
-            return False
-    return False
 
 
 __all__ = ["CallbackSink", "LoadWeights", "ModuleSink", "Rename", "WeightSink", "apply_parts"]

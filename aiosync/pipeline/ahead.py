@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from aiosync.core.errors import AiosyncError, MismatchError
 from aiosync.core.layout import BucketPlan
 from aiosync.core.planning import VersionSource
-from aiosync.planes.base import SenderPlane
+from aiosync.planes.base import SenderPlane, regions_of
 
 FIRST_BUFFER = 0
 """The buffer bucket 1 is packed into: every buffer is free when a version starts."""
@@ -101,7 +101,7 @@ def read_here(
         return None
     plan = next_plan(source.plans, version)
     if plan is not None:
-        if not getattr(plan, "regions", None):  # a direct plan names its regions
+        if not regions_of(plan):  # a direct plan names its regions
             raise RuntimeError("read_here: bucket 1 is to pack; read it in a thread")
         pack_plan(plane, FIRST_BUFFER, plan, version)  # no bytes to copy
     return source, PackedAhead(plan)

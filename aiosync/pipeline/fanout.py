@@ -33,7 +33,7 @@ from aiosync.pipeline.ahead import FIRST_BUFFER, PackedAhead, next_plan, pack_pl
 from aiosync.pipeline.ledger import BufferLedger
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncProgress
-from aiosync.planes.base import SenderPlane
+from aiosync.planes.base import DirectPlan, SenderPlane, regions_of
 
 BEGIN = -1
 """The buffer index of the ``begin`` message when it travels in a link's send queue."""
@@ -78,7 +78,7 @@ def bucket_payload(
         bucket = Bucket(version, seq, index, plan.used, slots=slots, after=after)
     else:
         bucket = Bucket(version, seq, index, plan.used, specs=plan.specs, after=after)
-    regions = getattr(plan, "regions", None)
+    regions = regions_of(plan)
     if regions:
         bucket = msgspec.structs.replace(bucket, regions=regions)
     return encode(bucket)
@@ -94,10 +94,10 @@ def kept_first_payload(
     reads wait for that counter value. ``as_read``: the bytes :class:`BucketFanout` makes
     for the same plan once the version is read (no ``after``), which the read confirms.
     """
-    regions = getattr(plan, "regions", None)
-    if plan.slots is None or not (regions or after is not None):
+    direct = plan.buffer if isinstance(plan, DirectPlan) and plan.regions else None
+    if plan.slots is None or (direct is None and after is None):
         return None
-    index = plan.buffer if regions else FIRST_BUFFER  # type: ignore[attr-defined]
+    index = FIRST_BUFFER if direct is None else direct
     return bucket_payload(version, 1, index, plan, plan.slots, None if as_read else after)
 
 
@@ -136,21 +136,21 @@ class BucketFanout:
         self.progress = progress
         self.timeout = min(link.timeout for link in links.values())
         self._limiter = anyio.CapacityLimiter(1)
-        self._consumed = getattr(plane, "consumed", None)
-        # a plane's step that only queues the send of a bucket (a collective plane's
-        # broadcast): taken in the packing thread once nothing stands between the bucket
-        # and its publishing (its message encoded, the engines' answers to the begin in)
-        self._queue: Callable[[int], None] | None = getattr(plane, "queue", None)
-        # a collective plane: every engine of the group joins every broadcast, so one that
-        # refuses is still sent the version's buckets (it drops them) and its refusal is
-        # counted, not raised: the others complete (``_following`` names such engines)
-        self._follow = bool(getattr(plane, "joins_all", False))
-        self._following: list[str] = []
+        self._following: list[str] = []  # engines that refused, still joining (``_follow``)
         self._entries: dict[str, int] | None = None  # built in the packing thread
         self.sent_buckets = self.sent_tensors = 0
         self.acked = SyncProgress(version, 0, 0, 0)
         self.direct_bytes = 0  # of ``acked``, read in place (direct mode)
         self._direct_sent = False  # then the trainer's tensors are read until the commit
+
+    @property
+    def _follow(self) -> bool:
+        """A collective plane's: every engine of the group joins every broadcast.
+
+        So one that refuses is still sent the version's buckets (it drops them) and its
+        refusal is counted, not raised: the others complete (``_following`` names them).
+        """
+        return self.plane.joins_all
 
     async def run(
         self,
@@ -168,9 +168,8 @@ class BucketFanout:
         (:func:`~aiosync.pipeline.ahead.read_ahead`).
         """
         count = self.plane.count
-        begin_version = getattr(self.plane, "begin_version", None)
-        if begin_version is not None and first is None:  # (else called before read_ahead)
-            begin_version()  # a CUDA plane packs on this (the caller's) stream
+        if first is None:  # (else called before read_ahead)
+            self.plane.begin_version()  # a CUDA plane packs on this (the caller's) stream
         free_tx, free_rx = anyio.create_memory_object_stream[int](count)
         for index in range(count):
             free_tx.send_nowait(index)
@@ -290,9 +289,7 @@ class BucketFanout:
         self.finished = True
         for outbox in outboxes.values():
             outbox.close()
-        drain = getattr(self.plane, "drain", None)  # sends still reading
-        if drain is not None:
-            await drain()
+        await self.plane.drain()  # sends still reading
         if self.packed is not None and not self._direct_sent:
             self.packed.set()  # the trainer may change its tensors again
 
@@ -303,8 +300,8 @@ class BucketFanout:
             return None
         pack_plan(self.plane, index, plan, self.version)
         packed = self._packed(plan, index)
-        if self._gate is None and self._queue is not None:  # nothing left before publishing
-            self._queue(index)
+        if self._gate is None:  # nothing left before publishing: a collective queues its send
+            self.plane.queue(index)
         return packed
 
     async def _encoded(self, plan: BucketPlan, ring: int) -> _Packed:
@@ -325,10 +322,10 @@ class BucketFanout:
         tensors = plan.whole_tensors
         self.sent_tensors += tensors
         seq = self.sent_buckets
-        regions = getattr(plan, "regions", None)  # a direct plan: no ring buffer used
-        if regions:
-            self._direct_sent = True
-            index = plan.buffer  # type: ignore[attr-defined]
+        direct = False
+        if isinstance(plan, DirectPlan) and plan.regions:  # a direct plan: no ring buffer used
+            direct = self._direct_sent = True
+            index = plan.buffer
         if self.manifest is not None and len(plan.entries) == len(plan.specs):
             # the planner read the manifest with the tensors: entries known, no lookups;
             # a plan reused from the last version brings the slots made for it then
@@ -341,7 +338,7 @@ class BucketFanout:
             payload = bucket_payload(self.version, seq, index, plan, slots)
         else:
             payload = bucket_payload(self.version, seq, index, plan, None)
-        return _Packed(seq, ring, payload, plan, tensors, plan.payload_bytes, bool(regions))
+        return _Packed(seq, ring, payload, plan, tensors, plan.payload_bytes, direct)
 
     def _slot(self, spec: TensorSpec) -> Slot:
         if self._entries is None:
@@ -454,8 +451,8 @@ class BucketFanout:
                     self._refused(link, refusal)
                 if packed.index == BEGIN:
                     continue
-                if self._consumed is not None and not packed.direct:
-                    self._consumed(packed.index, link.events)  # reuse waits for its event
+                if not packed.direct:
+                    self.plane.consumed(packed.index, link.events)  # reuse waits for its event
                 done = ledger.release(packed.index, link.name)
                 if done is not None:
                     self._bucket_done(done)

@@ -57,10 +57,10 @@ def may_begin_early(engines: int, policy: Policy, plane: SenderPlane) -> bool:
     """Whether a ``begin`` sent before the read may open a run (its ``begun=``).
 
     Where buckets may follow the ``begin`` before it is accepted, and only there; not for
-    a plane that queues collectives (each engine joins every broadcast of the group, and
-    the ``begin`` is part of that choreography).
+    a collective plane (:attr:`~aiosync.planes.base.SenderPlane.joins_all`: each engine
+    joins every broadcast of the group, and the ``begin`` is part of that choreography).
     """
-    return streams_before_accepted(engines, policy) and getattr(plane, "queue", None) is None
+    return streams_before_accepted(engines, policy) and not plane.joins_all
 
 
 class StreamRun:
@@ -275,7 +275,7 @@ class StreamRun:
         """
         if not self._ends_may_go_early():
             return 0
-        if getattr(self.plane, "joins_all", False):
+        if self.plane.joins_all:
             return 1  # the commit waits for the drain (see above)
         return 2 if self._at_once and self._check_snapshot is None else 1
 

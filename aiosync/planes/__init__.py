@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import torch
 
 from aiosync.core.engine_actions import Apply
-from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import (
@@ -22,44 +21,41 @@ from aiosync.core.wire import (
     PlaneSpec,
     ShmPlaneSpec,
 )
-from aiosync.planes.base import ReceiverPlane, SenderPlane
+from aiosync.planes.base import BucketContext, Part, ReceiverPlane, SenderPlane
 
 
 def view_bucket(
-    plane: ReceiverPlane, index: int, used: int, specs: list[TensorSpec]
+    plane: ReceiverPlane,
+    index: int,
+    used: int,
+    specs: list[TensorSpec],
+    context: BucketContext | None = None,
 ) -> torch.Tensor:
-    """A bucket's bytes through :meth:`ReceiverPlane.view`.
+    """A bucket's bytes: :meth:`ReceiverPlane.expect` with its checked specs, then ``view``.
 
-    A plane that wants the bucket's checked specs first (a per-tensor collective plane,
-    which receives each tensor into its slot) gets them through its ``expect``.
+    (A per-tensor collective plane receives each tensor into its slot; a gathered plane
+    picks the part the specs name.)
     """
-    expect = getattr(plane, "expect", None)
-    if expect is not None:
-        expect(index, specs)
-    return plane.view(index, used)
+    plane.expect(index, specs)
+    return plane.view(index, used, context)
 
 
-def view_parts(plane: ReceiverPlane, action: Apply) -> list[tuple[torch.Tensor, list[TensorSpec]]]:
+def view_parts(
+    plane: ReceiverPlane, action: Apply, context: BucketContext | None = None
+) -> list[Part]:
     """An applied bucket as (flat bytes, specs) pairs for the sink: one, or one per region.
 
     A direct plane (:mod:`aiosync.planes.direct`) checks and opens the bucket's regions;
-    any other plane refuses a bucket that names regions. A bucket sent ahead of its packing
-    (``after``) first has this thread's stream wait on the trainer's counter; a plane with
-    no counter refuses it.
+    any other plane refuses a bucket that names regions (:meth:`ReceiverPlane.parts`). A
+    bucket sent ahead of its packing (``after``) first has this thread's stream wait on the
+    trainer's counter (:meth:`ReceiverPlane.wait_after`); a plane with no counter refuses
+    it. ``context``: the bucket's, for the copies that follow.
     """
     if action.after is not None:
-        wait_after = getattr(plane, "wait_after", None)
-        if wait_after is None:
-            raise ProtocolError("a bucket sent ahead of its packing, but the plane has no counter")
-        wait_after(action.after)
-    parts = getattr(plane, "parts", None)
-    if parts is not None:
-        found: list[tuple[torch.Tensor, list[TensorSpec]]]
-        found = parts(action.buffer, action.used, action.specs, action.regions, action.version)
-        return found
-    if action.regions:
-        raise ProtocolError("a bucket names trainer memory, but the session is not in direct mode")
-    return [(view_bucket(plane, action.buffer, action.used, action.specs), action.specs)]
+        plane.wait_after(action.after, context)
+    return plane.parts(
+        action.buffer, action.used, action.specs, action.regions, action.version, context
+    )
 
 
 def create_sender_plane(
@@ -123,6 +119,8 @@ def open_receiver_plane(
 
 
 __all__ = [
+    "BucketContext",
+    "Part",
     "PlaneMaker",
     "ReceiverPlane",
     "SenderPlane",

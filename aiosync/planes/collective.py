@@ -61,6 +61,7 @@ from aiosync.collectives.rendezvous import (
 from aiosync.core.errors import PeerGoneError, SyncTimeoutError, UsageError
 from aiosync.core.layout import BucketPlan, is_plain, pack_bucket, tensor_bytes
 from aiosync.core.wire import CollectivePlaneSpec
+from aiosync.planes.base import SenderPlane
 from aiosync.planes.collective_receiver import (
     BACKENDS,
     MAX_TIMEOUT_MS,
@@ -119,7 +120,7 @@ class CollectiveOptions:
         valid_host(self.host)
 
 
-class CollectiveSenderPlane:
+class CollectiveSenderPlane(SenderPlane):
     """The trainer's side: rank 0 of a new side group, a ring of buffers, broadcasts.
 
     NCCL: no host wait per bucket. :meth:`pack` queues the copies on a side stream after
@@ -130,6 +131,13 @@ class CollectiveSenderPlane:
     broadcast is not done by its deadline, and :meth:`drain` (once per version, after the
     last bucket) waits for the last one. Gloo runs each broadcast to its end on the
     group's thread, under its own timeout.
+    """
+
+    joins_all = True
+    """Every engine of the group must join every broadcast, even one it refused.
+
+    The pipeline then keeps sending a refusing engine the version's buckets (it joins and
+    drops them) and counts its refusal instead of ending its stream.
     """
 
     def __init__(
@@ -207,15 +215,6 @@ class CollectiveSenderPlane:
     def capacity(self) -> int:
         """Bytes of each buffer."""
         return self._capacity
-
-    @property
-    def joins_all(self) -> bool:
-        """True: every engine of the group must join every broadcast, even one it refused.
-
-        The pipeline then keeps sending a refusing engine the version's buckets (it joins
-        and drops them) and counts its refusal instead of ending its stream.
-        """
-        return True
 
     @property
     def count(self) -> int:

@@ -28,7 +28,7 @@ from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, U
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import CollectivePlaneSpec
-from aiosync.planes.cuda_copies import hint_scope, one_stream_next
+from aiosync.planes.base import BucketContext, ReceiverPlane
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def check_spec(spec: CollectivePlaneSpec, limits: Limits | None = None) -> None:
         raise ProtocolError("collective plane refused: " + "; ".join(problems))
 
 
-class CollectiveReceiverPlane:
+class CollectiveReceiverPlane(ReceiverPlane):
     """An engine's side: joins the group (next free rank) and receives each bucket.
 
     Opening returns at once; the rendezvous runs on the group's thread, so a trainer that
@@ -97,6 +97,8 @@ class CollectiveReceiverPlane:
     aborts the group if a receive is not done by its own). Buffers are allocated on
     first use.
     """
+
+    joins_all = True  # every rank joins every broadcast: refused buckets are skipped through
 
     def __init__(
         self, spec: CollectivePlaneSpec, device: torch.device, limits: Limits | None = None
@@ -145,10 +147,11 @@ class CollectiveReceiverPlane:
         """The (checked) specs of the bucket about to arrive in ``index`` (per-tensor mode)."""
         self._expected[index] = specs
 
-    def view(self, index: int, used: int) -> torch.Tensor:
+    def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
         """Receive bucket ``index`` (``used`` bytes) and return its bytes; blocking.
 
-        NCCL: the bytes are there for work queued next on this thread's stream.
+        NCCL: the bytes are there for work queued next on this thread's stream, and
+        ``context`` asks for the copies out to stay on it (beside the next receive).
         """
         spec = self._spec
         if not 0 <= index < spec.count or not 0 <= used <= spec.capacity:
@@ -179,7 +182,8 @@ class CollectiveReceiverPlane:
         )
         received = self._executor.call_here(step, deadline=deadline, what=what)
         torch.cuda.current_stream(self._device).wait_event(received)
-        one_stream_next()  # the copies out run beside the next receive
+        if context is not None:
+            context.one_stream = True  # the copies out run beside the next receive
         return data
 
     def skip(self, index: int, used: int, slots: list[tuple[int, int]]) -> None:
@@ -200,8 +204,7 @@ class CollectiveReceiverPlane:
                 TensorSpec(f"skipped-{i}", "uint8", (nbytes,), offset, nbytes)
                 for i, (offset, nbytes) in enumerate(slots)
             ]
-        with hint_scope():  # nothing is copied out of a skipped bucket
-            self.view(index, used)
+        self.view(index, used)  # no context: nothing is copied out of a skipped bucket
         self.applied(index)  # the next receive into the buffer follows this one
 
     @contextmanager

@@ -53,7 +53,8 @@ import torch
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import CudaPlaneSpec
-from aiosync.planes.cuda_copies import CounterGate, DeviceCopies, hint_scope, plain_jobs, wait_gate
+from aiosync.planes.base import BucketContext, ReceiverPlane, SenderPlane
+from aiosync.planes.cuda_copies import CounterGate, DeviceCopies, plain_jobs, wait_gate
 from aiosync.planes.cuda_counters import reached, write_now, write_value
 from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, DeviceMemory
 
@@ -98,7 +99,11 @@ def allocate(size: int, device: int) -> DeviceMemory:
 
 
 def _pack(
-    buffer: DeviceMemory, plan: BucketPlan, stream: torch.cuda.Stream, copies: DeviceCopies
+    buffer: DeviceMemory,
+    plan: BucketPlan,
+    stream: torch.cuda.Stream,
+    copies: DeviceCopies,
+    context: BucketContext | None = None,
 ) -> None:
     """Queue the bucket's copies into ``buffer`` on ``stream`` (the current one).
 
@@ -106,15 +111,15 @@ def _pack(
     (:mod:`aiosync.planes.cuda_copies`): a few µs of host time each, where ``copy_`` and
     its views take tens, so the host queues a bucket well before the device is done with
     the last. Any other tensor (another device, the CPU, not contiguous) goes through
-    :func:`pack_bucket`.
+    :func:`pack_bucket`. ``context``: the bucket's (the gates its stream waits on).
     """
     jobs, rest = plain_jobs(buffer.tensor, plan)
-    copies.queue(jobs, stream)
+    copies.queue(jobs, stream, context)
     if rest.specs:
         pack_bucket(buffer.tensor, rest)
 
 
-class CudaSenderPlane:
+class CudaSenderPlane(SenderPlane):
     """A ring of ``count`` own device buffers of ``capacity`` bytes, packed without host waits.
 
     :meth:`begin_version` (on the caller's thread) takes the caller's current stream for the
@@ -263,11 +268,12 @@ class CudaSenderPlane:
         the copies, on the same stream. Unordered: waits until the copies are done.
         """
         stream = self._stream or torch.cuda.current_stream(self._device)
-        with torch.cuda.device(self._device), torch.cuda.stream(stream), hint_scope():
+        context = BucketContext()
+        with torch.cuda.device(self._device), torch.cuda.stream(stream):
             try:
                 for event in self._last_reads(index):
-                    wait_gate(stream, event)
-                _pack(self._buffers[index], plan, stream, self._copies)
+                    wait_gate(stream, event, context)
+                _pack(self._buffers[index], plan, stream, self._copies, context)
                 if self._packed:
                     self._packed[index].record(stream)
             finally:  # a bucket sent ahead: its reads may go (after a failure too)
@@ -298,7 +304,7 @@ class CudaSenderPlane:
                 self._peer_events.clear()
 
 
-class CudaReceiverPlane:
+class CudaReceiverPlane(ReceiverPlane):
     """An engine's mappings of a trainer's buffers, and the events (if any) that order its reads."""
 
     views_at_once = True  # a view never waits on the host (engine.quick_apply)
@@ -328,7 +334,7 @@ class CudaReceiverPlane:
         self._applied = [event for event, _ in made]
         self.events = [handle for _, handle in made]
 
-    def wait_after(self, value: int) -> None:
+    def wait_after(self, value: int, context: BucketContext | None = None) -> None:
         """Make this thread's stream wait until the trainer's counter reaches ``value``.
 
         For a bucket sent ahead of its packing (``Bucket.after``); the next batch's side
@@ -343,19 +349,20 @@ class CudaReceiverPlane:
             raise ProtocolError(f"counter value {value} does not follow {self._after}")
         stream = torch.cuda.current_stream(self._device)
         address = self._counter.tensor.data_ptr() + 4 * self._word
-        wait_gate(stream, CounterGate(address, value))
+        wait_gate(stream, CounterGate(address, value), context)
         self._after = value
         if self._waited is None:
             self._waited = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._waited.record(stream)
 
-    def view(self, index: int, used: int) -> torch.Tensor:
+    def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
         """The first ``used`` bytes of buffer ``index``, after the trainer's packing.
 
-        This thread's stream is made to wait on the trainer's event (queued, no host wait).
+        This thread's stream is made to wait on the trainer's event (queued, no host wait;
+        noted in ``context`` for the copies that follow).
         """
         if self._packed:
-            wait_gate(torch.cuda.current_stream(self._device), self._packed[index])
+            wait_gate(torch.cuda.current_stream(self._device), self._packed[index], context)
         return self._buffers[index].tensor[:used]
 
     def applied(self, index: int) -> None:

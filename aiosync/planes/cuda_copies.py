@@ -21,8 +21,8 @@ that can already run.
 
 A batch that recurs with the very same addresses every version (an engine reading a
 direct bucket out of a trainer's parameters) may ask to run as one CUDA graph
-(:func:`graph_next`; :class:`~aiosync.planes.cuda_graphs.CopyGraph`): from its second time
-on, the copies are memcpy nodes in :data:`GRAPH_LANES` independent chains, launched with
+(``BucketContext.graph``; :class:`~aiosync.planes.cuda_graphs.CopyGraph`): from its second
+time on, the copies are memcpy nodes in :data:`GRAPH_LANES` independent chains, launched with
 one call. No host time per copy, and the chains overlap more tails than two streams do
 (Llama-3-8B's 291 tensors on an H200: 1.015x one flat copy, against 1.05x over two
 streams and 1.12x on one). Making a graph costs about 10 µs a copy, once. The graph runs
@@ -33,8 +33,13 @@ there only added their making to those versions; beside a collective they gained
 
 Spreading helps where copies are bound by the GPU's own memory. Where a collective runs on
 the same GPU meanwhile, the second stream only takes bandwidth from it: there the plane
-asks for the next batch on one stream (:func:`one_stream_next`). Measured on two H200s:
+asks for the next batch on one stream (``BucketContext.one_stream``). Measured on two H200s:
 spreading made a flattened NCCL broadcast 1.21x the raw one instead of 1.16x.
+
+These hints (gates, one stream, a graph) travel in the bucket's
+:class:`~aiosync.planes.base.BucketContext`, made by the caller for that bucket and passed
+to the planes' hooks and to :meth:`DeviceCopies.queue`; the next batch queued with it
+takes them, and a hint no batch took goes with the context.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, is_plain
+from aiosync.planes.base import BucketContext
+from aiosync.planes.base import CounterGate as CounterGate  # defined beside the context
+from aiosync.planes.base import Gate as Gate
 from aiosync.planes.cuda_counters import wait_value
 from aiosync.planes.cuda_graphs import CopyGraph, CopyJob
 from aiosync.planes.cuda_runtime import memcpy_async
@@ -72,40 +79,20 @@ SEEN_KEPT = 1024
 
 
 log = logging.getLogger(__name__)
-_next = threading.local()  # what the next batch on this thread is to do: gates, one stream
 
 
-def wait_gate(stream: torch.cuda.Stream, gate: Gate) -> None:
-    """Make ``stream`` wait on ``gate`` (another process's), and the next batch's side streams.
+def wait_gate(stream: torch.cuda.Stream, gate: Gate, context: BucketContext | None = None) -> None:
+    """Make ``stream`` wait on ``gate`` (another process's), and note it in ``context``.
 
-    The next :meth:`DeviceCopies.queue` on this thread makes its side streams wait on every
-    gate so noted since the last one, before its fork (see the module's docstring).
+    The next :meth:`DeviceCopies.queue` with that context makes its side streams wait on
+    every gate so noted since the last batch, before its fork (see the module's docstring).
     """
     _wait(stream, gate)
-    noted: list[Gate] | None = getattr(_next, "gates", None)
-    if noted is None:
-        noted = _next.gates = []
-    noted.append(gate)
+    if context is not None:
+        context.gates.append(gate)
 
 
-class CounterGate:
-    """A wait until another process's counter (a device word) reaches ``value``, as a gate.
-
-    It never counts as fired: a batch behind one is never a graph.
-    """
-
-    def __init__(self, address: int, value: int) -> None:
-        self.address = address
-        self.value = value
-
-    def query(self) -> bool:
-        """Whether the wait is known to be over: never, from the host."""
-        return False
-
-
-Gate = torch.cuda.Event | CounterGate
-"""What a stream, and a batch's side streams before their fork, wait on: an event of
-another process, or its counter reaching a value."""
+_NO_HINTS: tuple[list[Gate], bool, bool] = ([], False, False)
 
 
 def _wait(stream: torch.cuda.Stream, gate: Gate) -> None:
@@ -113,54 +100,6 @@ def _wait(stream: torch.cuda.Stream, gate: Gate) -> None:
         wait_value(stream.cuda_stream, gate.address, gate.value)
     else:
         stream.wait_event(gate)
-
-
-def one_stream_next() -> None:
-    """Queue the next batch on this thread on the caller's stream alone (not spread)."""
-    _next.one_stream = True
-
-
-def graph_next() -> None:
-    """Let the next batch on this thread run as a CUDA graph once it recurs (see above)."""
-    _next.graph = True
-
-
-@contextmanager
-def hint_scope() -> Iterator[None]:
-    """Run one bucket's work with no copy hint left from before, and leave none behind.
-
-    A hint (:func:`wait_gate`, :func:`one_stream_next`, :func:`graph_next`) that no batch
-    took (a sink that copies with torch, a skipped bucket, an error) goes with the scope.
-    """
-    _forget_hints()
-    try:
-        yield
-    finally:
-        _forget_hints()
-
-
-def _forget_hints() -> None:
-    _next.gates = []
-    _next.one_stream = False
-    _next.graph = False
-
-
-def _take_gates() -> list[Gate]:
-    noted: list[Gate] = getattr(_next, "gates", None) or []
-    _next.gates = []
-    return noted
-
-
-def _take_one_stream() -> bool:
-    one: bool = getattr(_next, "one_stream", False)
-    _next.one_stream = False
-    return one
-
-
-def _take_graph() -> bool:
-    graph: bool = getattr(_next, "graph", False)
-    _next.graph = False
-    return graph
 
 
 def deal(sizes: Sequence[int], width: int) -> list[int]:
@@ -182,7 +121,7 @@ class DeviceCopies:
 
     One per owner (an engine's copy programs, a sender plane); the side stream and events
     are made on first use and kept, as are the graphs of recurring batches that asked for
-    one (:func:`graph_next`; none if ``graphs`` is False) until :meth:`prune` finds them
+    one (``BucketContext.graph``; none if ``graphs`` is False) until :meth:`prune` finds them
     unused or :meth:`close`. Safe to call from any thread; no host wait.
     """
 
@@ -202,12 +141,18 @@ class DeviceCopies:
         gate had not fired: copy by copy), ``unseen`` (asked for, but no graph made yet or
         too few copies for one), ``copies`` (no graph asked for, or graphs off)."""
 
-    def queue(self, jobs: Sequence[CopyJob], stream: torch.cuda.Stream) -> None:
+    def queue(
+        self,
+        jobs: Sequence[CopyJob],
+        stream: torch.cuda.Stream,
+        context: BucketContext | None = None,
+    ) -> None:
         """Queue ``jobs`` so that, to later work on ``stream``, they ran on ``stream``.
 
         ``stream`` is on this object's device, as is every address (or mapped into it).
+        ``context``: the bucket's hints, which this batch takes (gates, one stream, graph).
         """
-        gates, one_stream, hinted = _take_gates(), _take_one_stream(), _take_graph()
+        gates, one_stream, hinted = context.take() if context is not None else _NO_HINTS
         if not jobs:
             return
         with self._lock, torch.cuda.device(self.device):

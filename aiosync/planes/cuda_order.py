@@ -1,26 +1,26 @@
 """How an engine tells a CUDA plane that a bucket's copies are queued (no host wait).
 
 A plane that orders copies with CUDA events (:class:`~aiosync.planes.cuda.CudaReceiverPlane`)
-makes the applying thread's stream wait for the trainer's packing
-in :meth:`view`, and records its own event once the copies are queued (``applied(index)``);
-the trainer waits on that event before it packs the buffer again. The host never waits.
-While such an apply runs, :func:`sync_deferred` is true in that thread, and sinks skip their
-own device synchronisation (it happens once per version, at commit). Planes without
-``applied`` are untouched: the sink synchronises as before.
+makes the applying thread's stream wait for the trainer's packing in :meth:`view`, and
+records its own event once the copies are queued (``applied(index)``); the trainer waits
+on that event before it packs the buffer again. The host never waits. Such a bucket's
+:class:`~aiosync.planes.base.BucketContext` (:func:`ordered_apply` makes one per bucket)
+says ``deferred``, and sinks skip their own device synchronisation (it happens once per
+version, at commit). Planes without ``events`` (shared memory, an unordered CUDA plane)
+are untouched: the sink synchronises as before.
 
-A collective plane queues its receives without a host wait (NCCL) and must join every
-broadcast of its group: :func:`receive_through_plane` is how the receiver hands it each
-message (``settle`` before a version is called whole, ``skip`` for a refused bucket).
+A collective plane (:attr:`~aiosync.planes.base.ReceiverPlane.joins_all`) queues its
+receives without a host wait (NCCL) and must join every broadcast of its group:
+:func:`receive_through_plane` is how the receiver hands it each message (``settle`` before
+a version is called whole, ``skip`` for a refused bucket).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import anyio
 import msgspec
@@ -29,39 +29,31 @@ from aiosync.core.engine_actions import Action, Apply, ClosePlane, Peer, Reply
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError
 from aiosync.core.wire import Bucket, Complete, Message, Ready
-from aiosync.planes.cuda_copies import hint_scope
+from aiosync.planes.base import BucketContext, ReceiverPlane
 
 log = logging.getLogger(__name__)
-_local = threading.local()
-
-
-def sync_deferred() -> bool:
-    """Whether this thread applies a bucket whose copies a CUDA plane orders with events."""
-    return bool(getattr(_local, "deferred", False))
 
 
 @contextmanager
-def ordered_apply(plane: Any, index: int) -> Iterator[None]:
-    """Around one bucket's apply: defer sinks' device waits; then record the plane's event.
+def ordered_apply(plane: ReceiverPlane, index: int) -> Iterator[BucketContext]:
+    """One bucket's apply: its context, ``deferred`` where the plane orders copies by events.
 
-    The copies' hints (:func:`~aiosync.planes.cuda_copies.hint_scope`) last the bucket.
+    Then (also after a failure: the trainer must not wait for ever) the plane records its
+    event (``applied``). The copies' hints in the context last the bucket.
     """
-    applied = getattr(plane, "applied", None) if getattr(plane, "events", None) else None
-    with hint_scope():
-        if applied is None:
-            yield
-            return
-        _local.deferred = True
-        try:
-            yield
-        finally:
-            _local.deferred = False
-            applied(index)  # also after a failure: the trainer must not wait for ever
+    context = BucketContext(deferred=bool(plane.events))
+    if not context.deferred:
+        yield context
+        return
+    try:
+        yield context
+    finally:
+        plane.applied(index)
 
 
-def with_plane_events(actions: list[Action], plane: Any) -> list[Action]:
+def with_plane_events(actions: list[Action], plane: ReceiverPlane) -> list[Action]:
     """``actions`` with the plane's IPC event handles added to the ready it answers with."""
-    events = getattr(plane, "events", None)
+    events = plane.events
     if not events:
         return actions
     return [
@@ -73,13 +65,18 @@ def with_plane_events(actions: list[Action], plane: Any) -> list[Action]:
 
 
 async def receive_through_plane(
-    plane: Any, machine: EngineSession, peer: Peer, message: Message, in_thread: bool
+    plane: ReceiverPlane | None,
+    machine: EngineSession,
+    peer: Peer,
+    message: Message,
+    in_thread: bool,
 ) -> list[Action]:
     """``machine.receive(peer, message)``, with the hooks of a plane that queues collectives.
 
     ``in_thread``: receive in a worker thread, unless the machine says the message's
-    checks are bounded work now (``machine.light``: no thread hop). The hooks are
-    duck-typed (other planes are untouched):
+    checks are bounded work now (``machine.light``: no thread hop). ``plane``: the peer's,
+    once open. For a plane that :attr:`~aiosync.planes.base.ReceiverPlane.joins_all` (other
+    planes are untouched):
 
     - before a ``complete``, ``plane.settle()`` waits for the receives still queued on the
       GPU (under the plane's deadline); a failure refuses the completion;
@@ -87,7 +84,8 @@ async def receive_through_plane(
       broadcast joined by ``plane.skip``, into the plane's buffer, and dropped: every rank
       of a group takes part in every broadcast, so the other engines complete.
     """
-    if isinstance(message, Complete) and (error := await _settled(plane)):
+    collective = plane is not None and plane.joins_all
+    if collective and isinstance(message, Complete) and (error := await _settled(plane)):
         return machine.apply_failed(peer, message.seq, error)
     now = time.monotonic()
     if in_thread and machine.light(peer, message):  # an unchanged manifest, a count check
@@ -96,8 +94,7 @@ async def receive_through_plane(
         actions = await anyio.to_thread.run_sync(machine.receive, peer, message, now)
     else:
         actions = machine.receive(peer, message, now)
-    skip = getattr(plane, "skip", None)
-    if skip is None or not isinstance(message, Bucket):
+    if plane is None or not collective or not isinstance(message, Bucket):
         return actions
     if any(isinstance(action, Apply | ClosePlane) for action in actions):
         return actions  # applied as usual, or the session is over (a protocol error)
@@ -105,19 +102,18 @@ async def receive_through_plane(
         (s.offset, s.nbytes) for s in message.specs
     ]
     try:
-        await anyio.to_thread.run_sync(skip, message.buffer, message.used, slots)
+        await anyio.to_thread.run_sync(plane.skip, message.buffer, message.used, slots)
     except Exception as exc:  # the group breaks; this engine's refusal stands either way
         log.warning("could not join the broadcast of refused bucket %d: %s", message.seq, exc)
     return actions
 
 
-async def _settled(plane: Any) -> AiosyncError | None:
-    """Wait (in a worker thread) for ``plane.settle()`` if it has one; the error it raised."""
-    settle = getattr(plane, "settle", None)
-    if settle is None:
+async def _settled(plane: ReceiverPlane | None) -> AiosyncError | None:
+    """Wait (in a worker thread) for ``plane.settle()``; the error it raised."""
+    if plane is None:
         return None
     try:
-        await anyio.to_thread.run_sync(settle)
+        await anyio.to_thread.run_sync(plane.settle)
     except AiosyncError as exc:
         return exc
     except Exception as exc:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -44,8 +44,9 @@ from aiosync.core.wire import (
     ShmHandle,
     ShmPlaneSpec,
 )
-from aiosync.planes.base import SenderPlane
-from aiosync.planes.cuda_copies import graph_next, wait_gate
+from aiosync.planes.base import BucketContext, Part, ReceiverPlane, SenderPlane
+from aiosync.planes.base import DirectPlan as DirectPlan  # its name here before it moved
+from aiosync.planes.cuda_copies import wait_gate
 from aiosync.planes.direct_regions import RegionFinder, address_range
 
 log = logging.getLogger(__name__)
@@ -58,21 +59,13 @@ MAX_OPEN_REGIONS = 4096
 """Regions an engine keeps open for one sender at once."""
 
 
-@dataclass
-class DirectPlan(BucketPlan):
-    """A bucket read in place: ``regions`` in order, buffer ``buffer`` (the direct index)."""
-
-    regions: list[Region] = field(default_factory=list)
-    buffer: int = 0
-
-
 def _device_index(device: torch.device) -> int:
     if device.index is not None:
         return device.index
     return torch.cuda.current_device()
 
 
-class DirectSenderPlane:
+class DirectSenderPlane(SenderPlane):
     """``ring`` for packed buckets, plus direct buckets of the trainer's memory on ``device``."""
 
     def __init__(self, ring: SenderPlane, device: torch.device) -> None:
@@ -109,17 +102,13 @@ class DirectSenderPlane:
 
     def begin_version(self) -> None:
         """Pack on the caller's stream; engines' reads of its memory wait for this point."""
-        begin = getattr(self.ring, "begin_version", None)
-        if begin is not None:
-            begin()
+        self.ring.begin_version()
         if self._start is not None:
             self._start.record(torch.cuda.current_stream(self._device))
 
     def consumed(self, index: int, events: list[bytes]) -> None:
         """An engine acked ring buffer ``index`` (see the ring's ``consumed``)."""
-        consumed = getattr(self.ring, "consumed", None)
-        if consumed is not None:
-            consumed(index, events)
+        self.ring.consumed(index, events)
 
     def pack(self, index: int, plan: BucketPlan) -> None:
         """Pack a ring bucket; a direct one has nothing to copy."""
@@ -160,7 +149,7 @@ class _Split:
     used: int
 
 
-class DirectReceiverPlane:
+class DirectReceiverPlane(ReceiverPlane):
     """An engine's ring plane plus the trainer regions its direct buckets name."""
 
     views_at_once = True  # a view never waits on the host (engine.quick_apply)
@@ -191,27 +180,29 @@ class DirectReceiverPlane:
         self._open: dict[bytes | str, _Open] = {}
         self._splits: dict[int, _Split] = {}
         self._version: int | None = None
-
-    @property
-    def events(self) -> list[bytes]:
+        self.events = list(self._ring.events)
         """The ring's engine events (CUDA), for the ready."""
-        return list(getattr(self._ring, "events", []) or [])
 
-    def view(self, index: int, used: int) -> torch.Tensor:
+    def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
         """A ring buffer's bytes; a direct bucket goes through :meth:`parts`."""
         if index == self._direct:
             raise ProtocolError("a direct bucket without its regions")
-        return self._ring.view(index, used)
+        return self._ring.view(index, used, context)
 
     def applied(self, index: int) -> None:
         """A ring bucket's copies are queued (the ring's event); nothing for direct ones."""
-        applied = getattr(self._ring, "applied", None)
-        if applied is not None and index < self._direct:
-            applied(index)
+        if index < self._direct:
+            self._ring.applied(index)
 
     def parts(
-        self, index: int, used: int, specs: list[TensorSpec], regions: list[Region], version: int
-    ) -> list[tuple[torch.Tensor, list[TensorSpec]]]:
+        self,
+        index: int,
+        used: int,
+        specs: list[TensorSpec],
+        regions: list[Region],
+        version: int,
+        context: BucketContext | None = None,
+    ) -> list[Part]:
         """The bucket as (flat bytes, specs) pairs: one for a ring bucket, one per region.
 
         Raises :class:`ProtocolError` for regions that do not describe the bucket.
@@ -221,7 +212,7 @@ class DirectReceiverPlane:
         if index != self._direct:
             if regions:
                 raise ProtocolError(f"regions named for ring buffer {index}")
-            return [(self.view(index, used), specs)]
+            return [(self.view(index, used, context), specs)]
         if not 0 < len(regions) <= MAX_REGIONS_PER_BUCKET:
             raise ProtocolError(
                 f"direct bucket of {len(regions)} regions (1-{MAX_REGIONS_PER_BUCKET})"
@@ -230,9 +221,9 @@ class DirectReceiverPlane:
         if kept is None:
             kept = self._checked(used, specs, regions, version)
         if self._start is not None:
-            wait_gate(torch.cuda.current_stream(self._device), self._start)
-        if self._cuda:
-            graph_next()  # the same reads every version while the split holds
+            wait_gate(torch.cuda.current_stream(self._device), self._start, context)
+        if self._cuda and context is not None:
+            context.graph = True  # the same reads every version while the split holds
         return kept.parts
 
     def _kept(self, specs: list[TensorSpec], regions: list[Region], version: int) -> _Split | None:

@@ -31,7 +31,7 @@ from aiosync.core.errors import MismatchError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import GatheredPlaneSpec, PlaneSpec
-from aiosync.planes.base import ReceiverPlane
+from aiosync.planes.base import BucketContext, ReceiverPlane, SenderPlane
 
 MAX_PARTS = 1024
 """Most parts (ranks of one engine) a gathered plane may name."""
@@ -81,7 +81,7 @@ OpenPart = Callable[[PlaneSpec, torch.device, Limits | None], ReceiverPlane]
 """Opens one part's plane on a device (default :func:`aiosync.planes.open_receiver_plane`)."""
 
 
-class GatheredReceiverPlane:
+class GatheredReceiverPlane(ReceiverPlane):
     """The engine's side: every part opened, each bucket viewed in the part its specs name.
 
     Part ``i`` opens on ``devices[i]`` when given (:func:`part_devices`), else on ``device``.
@@ -122,12 +122,12 @@ class GatheredReceiverPlane:
         """Note which part buffer ``index`` is read from for this bucket (from its specs)."""
         self._current[index] = part_of(specs, len(self._parts))
 
-    def view(self, index: int, used: int) -> torch.Tensor:
+    def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
         """The first ``used`` bytes of buffer ``index`` of the part :meth:`expect` noted."""
         part = self._current.pop(index, None)
         if part is None:
             raise MismatchError(f"buffer {index} read before its bucket's tensors were named")
-        return self._parts[part].view(index, used)
+        return self._parts[part].view(index, used, context)
 
     def close(self) -> None:
         """Release every part (idempotent)."""
@@ -140,7 +140,7 @@ PackPart = Callable[[int, BucketPlan], None]
 """Has the rank a plan's tensors belong to pack its share into its own buffer ``index``."""
 
 
-class GatheredSenderPlane:
+class GatheredSenderPlane(SenderPlane):
     """The source rank's side: the gathered spec; packing is the topology's ``pack_part``."""
 
     def __init__(

@@ -34,6 +34,7 @@ import torch
 from aiosync.core.errors import AiosyncError
 from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import ShmHandle, ShmPlaneSpec
+from aiosync.planes.base import BucketContext, ReceiverPlane, SenderPlane
 from aiosync.planes.memfd import (
     _MEMFD_NAME,
     BACKEND_ENV,
@@ -239,7 +240,7 @@ class ShmSegment:
 # --------------------------------------------------------------------------------------
 
 
-class ShmSenderPlane:
+class ShmSenderPlane(SenderPlane):
     """A ring of shared-memory segments the trainer packs into; engines open them by name.
 
     ``backend``: by default :data:`~aiosync.planes.memfd.BACKEND_ENV` (``memfd`` or
@@ -309,7 +310,7 @@ class _MappedBuffer:
         self._segment.close()
 
 
-class ShmReceiverPlane:
+class ShmReceiverPlane(ReceiverPlane):
     """An engine's hold on a sender's segments: sealed memfds mapped, files read (one copy).
 
     Both are opened read-only: memfds are mapped ``PROT_READ`` (a view must never be
@@ -357,7 +358,7 @@ class ShmReceiverPlane:
             self.close()
             raise
 
-    def view(self, index: int, used: int) -> torch.Tensor:
+    def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
         """The first ``used`` bytes of segment ``index`` (checked against its size)."""
         if not isinstance(index, int) or not 0 <= index < len(self._buffers):
             raise AiosyncError(f"no shared-memory segment {_shown(index)} in this plane")

@@ -27,6 +27,7 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations, TensorMeta
 from aiosync.core.wire import ShmPlaneSpec, Slot
 from aiosync.engine.held import bucket_digest
+from aiosync.engine.sink_base import WeightSink
 from aiosync.planes.memfd import BACKEND_ENV, memfd_available
 from aiosync.planes.shm import ShmSegment
 from aiosync.server.retention import RetentionBook, RetentionPolicy
@@ -297,7 +298,7 @@ def _new_segment(size: int) -> ShmSegment:
     return ShmSegment.create(size, backend="file")
 
 
-class RetainingSink:
+class RetainingSink(WeightSink):
     """A :class:`~aiosync.engine.sinks.WeightSink` that retains every version it is sent.
 
     Staged (nothing is visible before commit) and without expectations: the server takes

@@ -25,7 +25,9 @@ import torch
 from aiosync.core.errors import UsageError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations
+from aiosync.engine.sink_shape import SinkShape, as_weight_sink
 from aiosync.engine.sinks import WeightSink
+from aiosync.planes.base import BucketContext, Part
 from aiosync.planes.gathered import part_name, part_of, split_name
 
 
@@ -39,13 +41,13 @@ def on_device(device: torch.device) -> Iterator[None]:
         yield
 
 
-class RankedSink:
+class RankedSink(WeightSink):
     """Sinks ``sinks[i]`` (GPU ``i`` of the engine's range) behind one sink's interface."""
 
-    def __init__(self, sinks: Sequence[WeightSink]) -> None:
+    def __init__(self, sinks: Sequence[WeightSink | SinkShape]) -> None:
         if not sinks:
             raise UsageError("a ranked sink needs at least one sink")
-        self.sinks = list(sinks)
+        self.sinks = [as_weight_sink(sink) for sink in sinks]
 
     @property
     def device(self) -> torch.device:
@@ -81,22 +83,32 @@ class RankedSink:
         return Expectations(tensors, frozenset(required), aliases) if said else None
 
     def reserve(self) -> None:
-        """Each sink's ``reserve``, where it has one."""
+        """Each sink's ``reserve``, where it has one of its own (not :class:`WeightSink`'s)."""
         for sink in self.sinks:
-            reserve = getattr(sink, "reserve", None)
-            if reserve is not None:
+            if type(sink).reserve is not WeightSink.reserve:
                 with on_device(sink.device):
-                    reserve()
+                    sink.reserve()
 
     def apply_bucket(self, bucket: torch.Tensor, specs: list[TensorSpec]) -> None:
         """Hand the bucket to the sink of the rank its tensors name, names stripped.
 
         The sink's device is current meanwhile: its copies and its wait run on that GPU.
         """
-        sink = self.sinks[part_of(specs, len(self.sinks))]
-        own = [msgspec.structs.replace(s, name=split_name(s.name)[1]) for s in specs]
+        sink, own = self._owner(specs)
         with on_device(sink.device):
             sink.apply_bucket(bucket, own)
+
+    def apply_with(self, parts: list[Part], context: BucketContext) -> None:
+        """Each part to the sink of the rank its tensors name, with the bucket's context."""
+        for bucket, specs in parts:
+            sink, own = self._owner(specs)
+            with on_device(sink.device):
+                sink.apply_with([(bucket, own)], context)
+
+    def _owner(self, specs: list[TensorSpec]) -> tuple[WeightSink, list[TensorSpec]]:
+        """The sink of the rank ``specs`` name, and the specs under that sink's names."""
+        sink = self.sinks[part_of(specs, len(self.sinks))]
+        return sink, [msgspec.structs.replace(s, name=split_name(s.name)[1]) for s in specs]
 
     def commit(self, version: int) -> None:
         """Commit every sink."""

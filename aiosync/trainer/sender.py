@@ -203,8 +203,7 @@ class WeightSender:
         if name in self._links:
             name = f"{name}#{len(self._links)}"
         link = EngineLink(channel, LinkSession(name, uuid.uuid4().hex), self.config.timeout)
-        spec_for_link = getattr(self._plane, "spec_for_link", None)  # a counter word each
-        spec, link.counter_word = spec_for_link() if spec_for_link else (self._plane.spec, None)
+        spec, link.counter_word = self._plane.spec_for_link()  # a counter word each (CUDA)
         hello = link.session.hello(self.config.name or f"pid-{os.getpid()}", spec)
         try:
             ready = await link.handshake(hello)
@@ -318,9 +317,7 @@ class WeightSender:
             version = max(known) + 1 if known else 0
         plane, chosen = self._plane, Policy(policy or self.config.policy)
         assert plane is not None  # send() checked
-        begin_version = getattr(plane, "begin_version", None)
-        if begin_version is not None:  # a CUDA plane packs on this (the caller's) stream
-            begin_version()
+        plane.begin_version()  # a CUDA plane packs on this (the caller's) stream
         reader = functools.partial(
             read_source if self._direct is None else self._direct.read,
             source,
@@ -426,20 +423,21 @@ class WeightSender:
             if self._first_early and self._may_read_here(manifest):
                 first = self._direct.kept_first()  # a kept read hands out the same plan
             return await begin_early(links, version, guess, first)
-        arm = getattr(plane, "arm", None)  # a ring bucket 1 goes ahead of its packing
         kept = self._layouts.kept_first() if self._first_early and manifest is None else None
         words = [link.counter_word for link in links]
-        if arm is None or kept is None or None in words:
+        counters = [word for word in words if word is not None]
+        after = None
+        if kept is not None and len(counters) == len(words):  # a counter word each
+            after = plane.arm(FIRST_BUFFER, counters)  # a ring bucket 1 goes ahead of its packing
+        if after is None:  # the plane has no counters
             return await begin_early(links, version, guess)
-        disarm = plane.disarm  # type: ignore[attr-defined]
-        after = arm(FIRST_BUFFER, words)
         try:
-            early = await begin_early(links, version, guess, kept, after, disarm)
+            early = await begin_early(links, version, guess, kept, after, plane.disarm)
         except BaseException:
-            disarm()
+            plane.disarm()
             raise
         if early is None or early.first is None:
-            disarm()  # nothing waits for the counters
+            plane.disarm()  # nothing waits for the counters
         return early
 
     def _read_here(
