@@ -107,11 +107,9 @@ def _pack(
 ) -> None:
     """Queue the bucket's copies into ``buffer`` on ``stream`` (the current one).
 
-    Plain tensors on the buffer's device are queued by address, spread over two streams
-    (:mod:`aiosync.planes.cuda_copies`): a few µs of host time each, where ``copy_`` and
-    its views take tens, so the host queues a bucket well before the device is done with
-    the last. Any other tensor (another device, the CPU, not contiguous) goes through
-    :func:`pack_bucket`. ``context``: the bucket's (the gates its stream waits on).
+    Plain tensors on the buffer's device are queued by address (spread over two streams,
+    after the gates in ``context``: :mod:`aiosync.planes.cuda_copies`); any other tensor
+    (another device, the CPU, not contiguous) goes through :func:`pack_bucket`.
     """
     jobs, rest = plain_jobs(buffer.tensor, plan)
     copies.queue(jobs, stream, context)
@@ -342,9 +340,7 @@ class CudaReceiverPlane(ReceiverPlane):
         :data:`COUNTER_MAX`), or a trainer without a counter, is a :class:`ProtocolError`.
         """
         if self._counter is None:
-            raise ProtocolError(
-                "a bucket sent ahead of its packing, but the trainer has no counter"
-            )
+            raise ProtocolError("a bucket sent ahead of its packing; the trainer has no counter")
         if not self._after < value <= COUNTER_MAX:
             raise ProtocolError(f"counter value {value} does not follow {self._after}")
         stream = torch.cuda.current_stream(self._device)
@@ -358,8 +354,7 @@ class CudaReceiverPlane(ReceiverPlane):
     def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
         """The first ``used`` bytes of buffer ``index``, after the trainer's packing.
 
-        This thread's stream is made to wait on the trainer's event (queued, no host wait;
-        noted in ``context`` for the copies that follow).
+        This thread's stream is made to wait on the trainer's event (queued, no host wait).
         """
         if self._packed:
             wait_gate(torch.cuda.current_stream(self._device), self._packed[index], context)
