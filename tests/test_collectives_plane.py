@@ -119,7 +119,9 @@ def sender(
 
 # --- the spec is hostile input -----------------------------------------------------------
 
-GOOD = CollectivePlaneSpec("gloo", "127.0.0.1", 1234, "ab" * 16, "aiosync-g", 3, 2, 4096)
+GOOD = CollectivePlaneSpec(
+    "gloo", "127.0.0.1", 1234, "ab" * 16, "aiosync-g", 3, 2, 4096, secret="cd" * 32
+)
 
 
 @pytest.mark.parametrize(

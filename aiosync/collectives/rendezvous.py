@@ -19,6 +19,7 @@ import ipaddress
 import secrets
 import socket
 import struct
+from collections.abc import Sequence
 from datetime import timedelta
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
@@ -129,3 +130,72 @@ def token_store(store: Store, token: str) -> PrefixStore:
     if not is_token(token):
         raise ValueError("malformed rendezvous token")
     return PrefixStore(f"aiosync/{token}/", store)
+
+
+class HeldStore(Store):
+    """The store a side group is made with, let go of once the rendezvous is over.
+
+    torch keeps a group's store for the group's life, and so would keep a ``TCPStore``
+    server listening (and growing with whatever any client writes) as long as the group.
+    Once every rank has joined (and proved itself, :mod:`aiosync.collectives.admission`)
+    :meth:`release` drops ``inner``: a hosted server then stops once nothing else holds
+    it. After that, writes are dropped, :meth:`check` finds no key (what NCCL's watchdog
+    asks now and then), and reads or waits raise.
+    """
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__()
+        self._inner: Store | None = inner
+
+    def release(self) -> None:
+        """Let go of the inner store (idempotent)."""
+        self._inner = None
+
+    def _held(self) -> Store:
+        inner = self._inner
+        if inner is None:
+            raise RuntimeError("the rendezvous is over: this group's store was released")
+        return inner
+
+    def set(self, key: str, value: str) -> None:  # type: ignore[override]
+        """Set ``key`` (dropped once released)."""
+        if self._inner is not None:
+            self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        """Get ``key``."""
+        return self._held().get(key)
+
+    def add(self, key: str, value: int) -> int:  # type: ignore[override]
+        """Add to counter ``key`` (nothing once released)."""
+        return self._inner.add(key, value) if self._inner is not None else 0
+
+    def compare_set(  # type: ignore[override]
+        self, key: str, expected_value: str, desired_value: str
+    ) -> bytes:
+        """Compare-and-set ``key``."""
+        return self._held().compare_set(key, expected_value, desired_value)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+        """Wait for ``keys``."""
+        if timeout is None:
+            self._held().wait(list(keys))
+        else:
+            self._held().wait(list(keys), timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:  # type: ignore[override]
+        """True when all ``keys`` exist (never, once released)."""
+        return self._inner.check(list(keys)) if self._inner is not None else False
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        """Delete ``key``."""
+        return self._inner.delete_key(key) if self._inner is not None else False
+
+    def num_keys(self) -> int:  # type: ignore[override]
+        """Keys in the inner store (0 once released)."""
+        return self._inner.num_keys() if self._inner is not None else 0
+
+    def set_timeout(self, timeout: timedelta) -> None:  # type: ignore[override]
+        """Set the inner store's timeout."""
+        if self._inner is not None:
+            self._inner.set_timeout(timeout)

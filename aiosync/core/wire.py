@@ -102,7 +102,10 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
     one of ``count`` buffers of ``capacity`` bytes: one broadcast per bucket, or one per
     tensor when ``per_tensor``. ``timeout_ms`` bounds each collective. Over NCCL every
     engine copies a bucket out while it receives the next one (see
-    :mod:`aiosync.collectives.ordered`).
+    :mod:`aiosync.collectives.ordered`). ``store_path``, when set, names the trainer's
+    private rendezvous file instead of a ``TCPStore`` (``port`` is then 0). ``secret`` is
+    this session's own: the engine proves its rank with it before any broadcast
+    (:mod:`aiosync.collectives.admission`); it never goes into the store.
     """
 
     backend: str
@@ -115,6 +118,8 @@ class CollectivePlaneSpec(msgspec.Struct, frozen=True, tag="collective"):
     capacity: int
     per_tensor: bool = False
     timeout_ms: int = 60_000
+    secret: str = ""
+    store_path: str = ""
 
     @property
     def sizes(self) -> list[int]:

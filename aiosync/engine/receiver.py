@@ -429,9 +429,11 @@ class WeightReceiver:
         if isinstance(action, OpenPlane):
             try:
                 devices = self.sink.part_devices  # a RankedSink's
+                cap = max(self.config.stream_timeout, self.config.session_timeout)
                 plane = await anyio.to_thread.run_sync(
-                    open_receiver_plane, action.plane, self.sink.device, self.config.limits, devices
-                )
+                    functools.partial(open_receiver_plane, max_timeout=cap),
+                    action.plane, self.sink.device, self.config.limits, devices,
+                )  # fmt: skip
             except Exception as exc:
                 log.warning("refused session from %s: %s", action.peer, exc)
                 return machine.plane_failed(action.peer, str(exc))

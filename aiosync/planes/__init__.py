@@ -84,12 +84,14 @@ def open_receiver_plane(
     device: torch.device,
     limits: Limits | None = None,
     part_devices: Sequence[torch.device] | None = None,
+    max_timeout: float | None = None,
 ) -> ReceiverPlane:
     """Open a peer's plane described by ``spec``; CUDA buffers open on ``device`` if CUDA.
 
     ``limits`` (the engine's) bound the buffers and bytes the plane may name.
     ``part_devices`` (a sink's, :attr:`aiosync.topology.RankedSink.part_devices`): where
-    each part of a gathered plane opens instead.
+    each part of a gathered plane opens instead. ``max_timeout`` (seconds, the engine's
+    own): the longest a collective plane takes the peer's timeout to be.
     """
     if isinstance(spec, ShmPlaneSpec):
         from aiosync.planes.shm import ShmReceiverPlane
@@ -106,7 +108,9 @@ def open_receiver_plane(
     if isinstance(spec, CollectivePlaneSpec):
         from aiosync.planes.collective_receiver import CollectiveReceiverPlane
 
-        return CollectiveReceiverPlane(spec, device, limits)
+        if max_timeout is None:
+            return CollectiveReceiverPlane(spec, device, limits)
+        return CollectiveReceiverPlane(spec, device, limits, max_timeout=max_timeout)
     if isinstance(spec, DirectPlaneSpec):
         from aiosync.planes.direct import DirectReceiverPlane
 

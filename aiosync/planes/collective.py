@@ -36,32 +36,32 @@ commit.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import uuid
 import warnings
 from dataclasses import InitVar, dataclass
-from datetime import timedelta
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 from aiosync.collectives import ops
 from aiosync.collectives.executor import Deadline, GroupExecutor
 from aiosync.collectives.ordered import OrderedBroadcasts
-from aiosync.collectives.process_group import init_process_group
-from aiosync.collectives.rendezvous import (
-    LOOPBACK,
-    host_store,
-    interface_address,
-    new_token,
-    token_store,
-    valid_host,
-)
+from aiosync.collectives.rendezvous import LOOPBACK, interface_address, valid_host
 from aiosync.core.errors import PeerGoneError, SyncTimeoutError, UsageError
 from aiosync.core.layout import BucketPlan, is_plain, pack_bucket, tensor_bytes
 from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.planes.base import SenderPlane
+from aiosync.planes.collective_meeting import (
+    RENDEZVOUS,
+    Rendezvous,
+    TrainerMeeting,
+    file_rendezvous,
+    forgetting,
+)
 from aiosync.planes.collective_receiver import (
     BACKENDS,
     MAX_TIMEOUT_MS,
@@ -93,6 +93,13 @@ class CollectiveOptions:
     and each broadcast. Over NCCL, engines always copy bucket k into their model while
     they receive bucket k + 1 (their sinks wait for the GPU once, at commit, as with the
     CUDA IPC plane's events). ``overlap=`` is deprecated: it changes nothing and warns.
+
+    ``rendezvous``: where the ranks meet. ``"auto"`` (default): a private file on this
+    host when the store would listen on loopback (no other user can open it), else a
+    ``TCPStore`` on ``host`` / ``interface``. ``"file"``: the file (this host only);
+    ``"tcp"``: the ``TCPStore`` even on loopback (engines of another user, or in another
+    container sharing the network but not ``/tmp``). Either way every engine rank proves
+    the secret of its own session before any weight is broadcast (docs/security.md).
     """
 
     engines: int
@@ -102,6 +109,7 @@ class CollectiveOptions:
     per_tensor: bool = False
     timeout: float = 60.0
     overlap: InitVar[bool | None] = None
+    rendezvous: Rendezvous = "auto"
 
     def __post_init__(self, overlap: bool | None) -> None:
         if overlap is not None:
@@ -118,6 +126,9 @@ class CollectiveOptions:
         if not 0 < self.timeout * 1000 <= MAX_TIMEOUT_MS:
             raise ValueError(f"timeout must be positive and at most a day, got {self.timeout}")
         valid_host(self.host)
+        if self.rendezvous not in RENDEZVOUS:
+            raise ValueError(f"rendezvous must be one of {RENDEZVOUS}, got {self.rendezvous!r}")
+        file_rendezvous(self.rendezvous, self.host, self.interface)
 
 
 class CollectiveSenderPlane(SenderPlane):
@@ -152,9 +163,7 @@ class CollectiveSenderPlane(SenderPlane):
             raise UsageError("a Gloo collective plane packs on the CPU; use device='cpu'")
         self._count, self._capacity = count, capacity
         host = interface_address(options.interface) if options.interface else options.host
-        wait = timedelta(seconds=options.timeout)
-        self._hosted = host_store(host, timeout=wait)
-        self._token = new_token()
+        file = file_rendezvous(options.rendezvous, options.host, options.interface)
         self._name = f"aiosync-{uuid.uuid4().hex}"
         self._executor = GroupExecutor(self._name, join_timeout=options.timeout)
         self._executor.start()
@@ -184,32 +193,43 @@ class CollectiveSenderPlane(SenderPlane):
         self._unpublished: set[int] = set()
         self._done: dict[int, torch.cuda.Event] = {}
         self._caller: torch.cuda.Stream | None = None
-        world, store = 1 + options.engines, token_store(self._hosted.store, self._token)
-
-        def join() -> None:
-            self._executor.group = init_process_group(
-                self.backend, store=store, world_size=world, rank=0, group_name=self._name,
-                timeout=wait,
-            )  # fmt: skip
-            ops.connect(self._executor.group, self.device, Deadline.after(options.timeout))
-
-        self._joined = self._executor.submit(join)
+        try:  # last: nothing after it can fail and leave its private directory behind
+            meeting = TrainerMeeting(self._name, file=file, host=host, timeout=options.timeout)
+        except BaseException:
+            if self._ordered is not None:
+                self._ordered.close()
+            self._executor.close(wait=False)
+            raise
+        self._meeting = meeting
+        join = functools.partial(meeting.join, self._executor, self.backend, self.device)
+        self._joined = self._executor.submit(forgetting(lambda: join(1 + options.engines)))
 
     @property
     def spec(self) -> CollectivePlaneSpec:
-        """The store's address, the token, the group and the buffers (for the hello)."""
+        """Where the group meets, its name, the buffers; no secret (:meth:`spec_for_link`)."""
+        meeting = self._meeting
         return CollectivePlaneSpec(
             backend=self.backend,
-            host=self._hosted.host,
-            port=self._hosted.port,
-            token=self._token,
+            host=meeting.host,
+            port=meeting.port,
+            token=meeting.token,
             group=self._name,
             world_size=1 + self.options.engines,
             count=self._count,
             capacity=self._capacity,
             per_tensor=self.options.per_tensor,
             timeout_ms=round(self.options.timeout * 1000),
+            store_path=meeting.path,
         )
+
+    def spec_for_link(self) -> tuple[CollectivePlaneSpec, None]:
+        """The spec for one more engine session, with a fresh secret, and no counter word.
+
+        The secret travels only in this session's hello, over the control channel; the
+        engine proves its rank with it before the first broadcast, and it proves one rank
+        at most.
+        """
+        return msgspec.structs.replace(self.spec, secret=self._meeting.issue_secret()), None
 
     @property
     def capacity(self) -> int:
@@ -373,8 +393,8 @@ class CollectiveSenderPlane(SenderPlane):
             self._executor.fail(error)
         if self._ordered is not None:
             self._ordered.close()
+        self._meeting.close()  # a join still waiting for ranks stops
         self._executor.close(wait=False)
-        self._hosted.close()
         if self._copies is not None:
             self._copies.close()
         self._buffers.clear()

@@ -10,35 +10,41 @@ version's one wait, before the engine calls it whole).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
+from torch._C._distributed_c10d import Store
 
 from aiosync.collectives import ops
-from aiosync.collectives.alias_store import AliasStore, rank_alias
 from aiosync.collectives.executor import Deadline, GroupExecutor, collective_error
+from aiosync.collectives.file_store import check_store_path, open_file_store
 from aiosync.collectives.ordered import OrderedBroadcasts
-from aiosync.collectives.process_group import init_process_group
-from aiosync.collectives.rendezvous import connect_store, is_token, token_store, valid_host
+from aiosync.collectives.rank_proofs import is_secret
+from aiosync.collectives.rendezvous import is_token, valid_host
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
 from aiosync.core.layout import TensorSpec
 from aiosync.core.limits import Limits
 from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.planes.base import BucketContext, ReceiverPlane
+from aiosync.planes.collective_meeting import dialer_for, forgetting, join_engine
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
-RANK_KEY = "aiosync-next-rank"
 MAX_WORLD = 1 << 14
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 MAX_SKIPPED_SLOTS = 1 << 16
 """Most tensors a refused bucket may ask this engine to receive (per-tensor mode)."""
+DEFAULT_MAX_TIMEOUT = 60.0
+"""The longest a peer's plane timeout is taken, in seconds, unless the engine says (as
+:class:`~aiosync.ReceiverConfig`'s default stream and session timeouts)."""
 
 
 def joined_group(
@@ -63,10 +69,18 @@ def check_spec(spec: CollectivePlaneSpec, limits: Limits | None = None) -> None:
         valid_host(spec.host)
     except ValueError as exc:
         problems.append(str(exc))
-    if not 0 < spec.port < 65536:
+    if spec.store_path:
+        problem = check_store_path(spec.store_path)
+        if problem is not None:
+            problems.append(problem)
+        if spec.port != 0:
+            problems.append(f"port {spec.port} beside a rendezvous file")
+    elif not 0 < spec.port < 65536:
         problems.append(f"port {spec.port} out of range")
     if not is_token(spec.token):
         problems.append("malformed token")
+    if not is_secret(spec.secret):
+        problems.append("no well-formed rank secret (a trainer older than this engine?)")
     if not _GROUP_NAME.fullmatch(spec.group):
         problems.append("group name must be 1-128 of [A-Za-z0-9_.-]")
     if not 2 <= spec.world_size <= MAX_WORLD:
@@ -96,16 +110,30 @@ class CollectiveReceiverPlane(ReceiverPlane):
     the host waits once per version, in :meth:`settle`, under the deadline (a watcher
     aborts the group if a receive is not done by its own). Buffers are allocated on
     first use.
+
+    The peer's ``timeout_ms`` is taken up to ``max_timeout`` seconds, the engine's own
+    (the receiver passes the longer of its stream and session timeouts). A rendezvous file
+    is checked before anything starts; a ``TCPStore`` is reached through a dialer that
+    :meth:`close`, or the deadline, cuts (see :mod:`aiosync.planes.collective_meeting`).
     """
 
     joins_all = True  # every rank joins every broadcast: refused buckets are skipped through
 
     def __init__(
-        self, spec: CollectivePlaneSpec, device: torch.device, limits: Limits | None = None
+        self,
+        spec: CollectivePlaneSpec,
+        device: torch.device,
+        limits: Limits | None = None,
+        *,
+        max_timeout: float = DEFAULT_MAX_TIMEOUT,
     ) -> None:
         check_spec(spec, limits)
         self._spec = spec
-        self._timeout = spec.timeout_ms / 1000
+        self._timeout = min(spec.timeout_ms / 1000, max_timeout)
+        self._stopped = threading.Event()
+        self._dialer = dialer_for(spec)
+        if spec.store_path:  # checked on disk now: a bad path refuses the hello
+            open_file_store(spec.store_path, timedelta(seconds=self._timeout))
         if spec.backend == "nccl":
             if device.type != "cuda":
                 raise ProtocolError("an NCCL plane needs an engine on a CUDA device")
@@ -128,20 +156,22 @@ class CollectiveReceiverPlane(ReceiverPlane):
         self._joined = self._executor.submit(self._join)
 
     def _join(self) -> None:
-        spec, wait = self._spec, timedelta(seconds=self._timeout)
-        store = token_store(connect_store(spec.host, spec.port, timeout=wait), spec.token)
-        rank = int(store.add(RANK_KEY, 1))
-        if not 0 < rank < spec.world_size:
-            raise ProtocolError(f"group {spec.group} is full ({spec.world_size - 1} engine ranks)")
-        self.rank = rank
-        # torch names a group once per process: the trainer (rank 0) may live in this one
-        alias = rank_alias(spec.group, rank)
-        self._executor.group = init_process_group(
-            spec.backend, store=AliasStore(store, alias, spec.group), world_size=spec.world_size,
-            rank=rank, group_name=alias, timeout=wait,
-        )  # fmt: skip
-        ops.connect(self._executor.group, self._device, Deadline.after(self._timeout))
-        log.info("joined group %s as rank %d of %d", spec.group, rank, spec.world_size)
+        spec, dialer = self._spec, self._dialer
+        if dialer is not None:
+            dialer.cut_after(self._timeout)  # torch's client may ignore its own timeout
+            base: Callable[[timedelta], Store] = dialer.connect
+        else:
+            base = functools.partial(open_file_store, spec.store_path)
+        try:
+            join = functools.partial(
+                join_engine, spec, self._executor, self._device, base, self._stopped,
+                self._timeout,
+            )  # fmt: skip
+            self.rank = forgetting(join)()
+        finally:
+            if dialer is not None:
+                dialer.done()
+        log.info("joined group %s as rank %d of %d", spec.group, self.rank, spec.world_size)
 
     def expect(self, index: int, specs: list[TensorSpec]) -> None:
         """The (checked) specs of the bucket about to arrive in ``index`` (per-tensor mode)."""
@@ -235,8 +265,13 @@ class CollectiveReceiverPlane(ReceiverPlane):
         """Leave the group (without waiting for a blocked collective to end).
 
         A receive still queued on the GPU (a trainer gone mid-broadcast) breaks the group
-        first, so the NCCL communicator is aborted and no kernel is left waiting.
+        first, so the NCCL communicator is aborted and no kernel is left waiting. A join
+        still under way stops: its wait for the other ranks ends, and its connections to
+        a ``TCPStore`` are cut, so its thread and descriptors go with the session.
         """
+        self._stopped.set()
+        if self._dialer is not None:
+            self._dialer.cut()
         if self._ordered is not None:
             if self._ordered.watch.pending:
                 error = SyncTimeoutError(f"group {self._spec.group} closed with a receive queued")
