@@ -158,6 +158,9 @@ async def test_a_ray_actor_that_never_answers_ends_in_sync_timeout_error_naming_
         health = await handle.check_health()
     assert not health.healthy
     assert "check_health() within 0.2s" in health.message
+    import ray
+
+    assert not ray.is_initialized()  # a timeout never starts a local Ray instance
 
 
 def test_a_handle_timeout_must_be_positive() -> None:

@@ -91,7 +91,8 @@ class RayActorHandle(CallingHandle):
             return await ref
         except anyio.get_cancelled_exc_class():
             try:
-                ray.cancel(ref)
+                if ray.is_initialized():  # ray.cancel would start a local instance otherwise
+                    ray.cancel(ref)
             except Exception as exc:  # best effort: the actor may be gone
                 log.debug("%s: cancelling %s() failed: %r", self._name, method, exc)
             raise
