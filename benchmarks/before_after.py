@@ -44,7 +44,7 @@ def cpu_cases() -> dict[str, Case]:
             lambda out: float(out["many_engines"]["seconds"]),
         ),
         "per_tensor_100000_us": (
-            [*bench, "--size-mb", "64", "--repeats", "3", "--per-tensor", "100000"],
+            [*bench, "--size-mb", "64", "--repeats", "9", "--per-tensor", "100000"],
             lambda out: float(out["per_tensor"]["us_per_tensor"]),
         ),
     }
