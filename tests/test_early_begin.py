@@ -25,6 +25,7 @@ from aiosync.core.trainer_session import FleetVote, Policy
 from aiosync.core.wire import Begin, Bucket, Message, decode
 from aiosync.pipeline import early_begin
 from aiosync.pipeline.fanout import BucketFanout, _Packed
+from aiosync.pipeline.version_spec import VersionSpec
 from tests.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, timeout=10)
@@ -343,13 +344,9 @@ def test_bucket_1_as_read_must_be_the_bytes_sent_before() -> None:
     fanout = BucketFanout(
         links={"e": link},  # type: ignore[dict-item]
         plane=SimpleNamespace(count=2),  # type: ignore[arg-type]
-        version=3,
-        manifest=None,
         vote=FleetVote(["e"], Policy.ALL),
         guard=None,  # type: ignore[arg-type]
-        progress=None,
-        begun=True,
-        sent_first=b"sent",
+        spec=VersionSpec(3, None, begun=b"begin", sent_first=b"sent"),
     )
     with pytest.raises(MismatchError, match="bucket 1 as read"):
         fanout._confirmed_first(_Packed(1, 0, b"other", BucketPlan()))

@@ -36,6 +36,7 @@ from aiosync.core.wire import (
 )
 from aiosync.pipeline.begin import _MANIFESTS, _RawBegin, encode_begin
 from aiosync.pipeline.stream import StreamRun
+from aiosync.pipeline.version_spec import VersionSpec
 from tests.test_engine_session import (
     MANIFEST,
     PEER,
@@ -216,9 +217,8 @@ def test_who_may_commit_at_once(links: int, policy: Policy, subclass: bool, expe
     run = kind(
         links=[_Link(f"e{i}") for i in range(links)],  # type: ignore[misc]
         plane=None,  # type: ignore[arg-type]
-        version=0,
-        manifest=None,
         policy=policy,
+        spec=VersionSpec(0, None),
     )
     assert run._may_commit_at_once() is expected
 
@@ -227,9 +227,8 @@ def test_a_req_socket_keeps_two_phases() -> None:
     run = StreamRun(
         links=[_Link("req", window=object())],  # type: ignore[list-item]
         plane=None,  # type: ignore[arg-type]
-        version=0,
-        manifest=None,
         policy=Policy.ALL,
+        spec=VersionSpec(0, None),
     )
     assert not run._may_commit_at_once()
 

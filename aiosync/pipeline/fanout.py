@@ -26,13 +26,13 @@ from anyio.streams.memory import MemoryObjectSendStream as Sending
 
 from aiosync.core.errors import AiosyncError, MismatchError, SyncTimeoutError
 from aiosync.core.layout import BucketPlan, TensorSpec
-from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import FleetVote
 from aiosync.core.wire import Bucket, Slot, encode
 from aiosync.pipeline.ahead import FIRST_BUFFER, PackedAhead, next_plan, pack_plan
 from aiosync.pipeline.ledger import BufferLedger
 from aiosync.pipeline.links import EngineLink
-from aiosync.pipeline.report import ProgressCallback, SyncProgress
+from aiosync.pipeline.report import SyncProgress
+from aiosync.pipeline.version_spec import VersionSpec
 from aiosync.planes.base import DirectPlan, SenderPlane, regions_of
 
 BEGIN = -1
@@ -102,44 +102,42 @@ def kept_first_payload(
 
 
 class BucketFanout:
-    """One version's buckets through ``plane`` to the live engines of ``vote``."""
+    """One version's (``spec``'s) buckets through ``plane`` to the live engines of ``vote``.
+
+    ``spec.manifest`` is the one the begin carried; ``spec.first`` is not read (bucket 1
+    packed ahead comes to :meth:`run`).
+    """
 
     def __init__(
         self,
         *,
         links: dict[str, EngineLink],
         plane: SenderPlane,
-        version: int,
-        manifest: list[TensorMeta] | None,
         vote: FleetVote,
         guard: Guard,
-        progress: ProgressCallback | None,
-        packed: anyio.Event | None = None,
+        spec: VersionSpec,
         tail: Callable[[EngineLink], Awaitable[None]] | None = None,
-        begun: bool = False,
-        sent_first: bytes | None = None,
-        rebase: bool = False,
     ) -> None:
         self.links = links
-        self._rebase = rebase  # the version restarts the numbering (the engines allow it)
-        self._begun = begun  # the begin went out already, each link's stream open
-        self._sent_first = sent_first  # and bucket 1's message, to be confirmed as read
+        self._rebase = spec.rebase  # the version restarts the numbering (the engines allow it)
+        self._begun = spec.begun is not None  # the begin went out already, each stream open
+        self._sent_first = spec.sent_first  # and bucket 1's message, to be confirmed as read
         self._tail = tail  # sent on each link after its last bucket, once all are packed
         self.finished = False  # every planned bucket was packed and handed to the links
         self._gate: anyio.Event | None = None  # set once every engine answered the begin
-        self.packed = packed  # set once every byte of the version is in a buffer
+        self.packed = spec.packed  # set once every byte of the version is in a buffer
         self.plane = plane
-        self.version = version
-        self.manifest = manifest
+        self.version = spec.version
+        self.manifest = spec.manifest
         self.vote = vote
         self._guard = guard
-        self.progress = progress
+        self.progress = spec.progress
         self.timeout = min(link.timeout for link in links.values())
         self._limiter = anyio.CapacityLimiter(1)
         self._following: list[str] = []  # engines that refused, still joining (``_follow``)
         self._entries: dict[str, int] | None = None  # built in the packing thread
         self.sent_buckets = self.sent_tensors = 0
-        self.acked = SyncProgress(version, 0, 0, 0)
+        self.acked = SyncProgress(spec.version, 0, 0, 0)
         self.direct_bytes = 0  # of ``acked``, read in place (direct mode)
         self._direct_sent = False  # then the trainer's tensors are read until the commit
 

@@ -18,6 +18,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 
 import anyio
 
@@ -29,14 +30,13 @@ from aiosync.core.errors import (
     breaks_session,
 )
 from aiosync.core.layout import BucketPlan
-from aiosync.core.manifest import TensorMeta
 from aiosync.core.trainer_session import EngineOutcome, FleetVote, Policy, Verdict
 from aiosync.core.wire import Abort, Commit, Complete, encode
-from aiosync.pipeline.ahead import PackedAhead
 from aiosync.pipeline.begin import begin_is_cheap, encode_begin
 from aiosync.pipeline.fanout import BucketFanout
 from aiosync.pipeline.links import EngineLink
-from aiosync.pipeline.report import ProgressCallback, SyncProgress, SyncReport, link_failure
+from aiosync.pipeline.report import SyncProgress, SyncReport, link_failure
+from aiosync.pipeline.version_spec import VersionSpec
 from aiosync.planes.base import SenderPlane
 from aiosync.runtime import unwrap_group
 
@@ -64,44 +64,30 @@ def may_begin_early(engines: int, policy: Policy, plane: SenderPlane) -> bool:
 
 
 class StreamRun:
-    """Streams one version to ``links`` through ``plane``; :meth:`run` reports or raises."""
+    """Streams one version (``spec``) to ``links`` through ``plane``; :meth:`run` reports or raises.
+
+    The engines' vote on it follows ``policy``.
+    """
 
     def __init__(
-        self,
-        *,
-        links: list[EngineLink],
-        plane: SenderPlane,
-        version: int,
-        manifest: list[TensorMeta] | None,
-        policy: Policy,
-        progress: ProgressCallback | None = None,
-        empty: bool = False,
-        rebase: bool = False,
-        packed: anyio.Event | None = None,
-        check_snapshot: Callable[[], None] | None = None,
-        started: float | None = None,
-        first: PackedAhead | None = None,
-        begun: bytes | None = None,
-        sent_first: bytes | None = None,
+        self, *, links: list[EngineLink], plane: SenderPlane, policy: Policy, spec: VersionSpec
     ) -> None:
         self.links = {link.name: link for link in links}
         self.plane = plane
-        self.version = version
-        self.manifest = manifest
-        self.flags = {"empty": empty, "rebase": rebase}
-        self._packed = packed
-        self._check_snapshot = check_snapshot
-        self._first = first  # bucket 1, packed while the version was read
-        self._begun = begun  # the begin sent before the read (pipeline.early_begin)
-        self._sent_first = sent_first  # and bucket 1's message, if it went with it
+        self.spec = spec
+        self.version = spec.version
+        self.manifest = spec.manifest
+        self.flags = {"empty": spec.empty, "rebase": spec.rebase}
+        self._first = spec.first  # bucket 1, packed while the version was read
+        self._begun = spec.begun  # the begin sent before the read (pipeline.early_begin)
         self.vote = FleetVote(list(self.links), policy)
-        self.progress = progress
+        self.progress = spec.progress
         self._fanout: BucketFanout | None = None
         self._outcomes: dict[str, EngineOutcome] = {}
         self._at_once = False  # each engine's commit follows its complete (see below)
         self._ends_sent: dict[str, int] = {}  # per engine: complete (1) and commit (2) sent
         # the send's start (before the sender read its tensors), for the report's seconds
-        self._started = time.perf_counter() if started is None else started
+        self._started = time.perf_counter() if spec.started is None else spec.started
 
     # --- the whole version ------------------------------------------------------------
 
@@ -142,8 +128,8 @@ class StreamRun:
         self._at_once = self._may_commit_at_once()
         if self.vote.verdict() is not Verdict.ABORT:
             await self._stream(plans, payload, opening)
-        if self._check_snapshot is not None:  # before any engine may commit
-            await anyio.to_thread.run_sync(self._check_snapshot)
+        if self.spec.check_snapshot is not None:  # before any engine may commit
+            await anyio.to_thread.run_sync(self.spec.check_snapshot)
         if self.vote.verdict() is not Verdict.ABORT:
             await self._each(self._complete_and_commit if self._at_once else self._complete)
 
@@ -277,7 +263,7 @@ class StreamRun:
             return 0
         if self.plane.joins_all:
             return 1  # the commit waits for the drain (see above)
-        return 2 if self._at_once and self._check_snapshot is None else 1
+        return 2 if self._at_once and self.spec.check_snapshot is None else 1
 
     async def _send_ends(self, link: EngineLink, upto: int) -> None:
         """Send ``link`` its ``complete`` (1) and then ``commit`` (2), up to ``upto``.
@@ -353,16 +339,10 @@ class StreamRun:
         fanout = BucketFanout(
             links=self.links,
             plane=self.plane,
-            version=self.version,
-            manifest=self.manifest,
             vote=self.vote,
             guard=self._guard,
-            progress=self.progress,
-            packed=self._packed,
             tail=functools.partial(self._send_ends, upto=ends) if ends else None,
-            begun=self._begun is not None,
-            sent_first=self._sent_first,
-            rebase=self.flags["rebase"],
+            spec=replace(self.spec, manifest=self.manifest, first=None),
         )
         self._fanout = fanout
         first, self._first = self._first, None

@@ -56,6 +56,7 @@ from aiosync.core.wire import (
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import SyncReport
 from aiosync.pipeline.stream import StreamRun
+from aiosync.pipeline.version_spec import VersionSpec
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.planes.gathered import GatheredSenderPlane
 from aiosync.runtime import unwrap_group
@@ -323,9 +324,8 @@ class ColocatedSession:
                 self,
                 links=[self.link],
                 plane=self._gathered,
-                version=version,
-                manifest=manifest,
                 policy=self.policy,
+                spec=VersionSpec(version, manifest),
             )
             return version, await run.run(iter(plans)), None
         except BaseException as raised:

@@ -47,6 +47,7 @@ from aiosync.pipeline.fanout import EarlyBucketMismatch
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import ProgressCallback, SyncReport
 from aiosync.pipeline.stream import StreamRun, may_begin_early
+from aiosync.pipeline.version_spec import VersionSpec
 from aiosync.planes import SenderPlane, create_sender_plane
 from aiosync.planes.direct import DirectSenderPlane
 from aiosync.runtime import require_asyncio, unwrap_group
@@ -353,21 +354,24 @@ class WeightSender:
             log.info("version %d changed: what went before the read is withdrawn", version)
             await early.withdraw("the version's tensors changed; it begins again")
             early = None
-        run = StreamRun(
-            links=list(self._links.values()),
-            plane=plane,  # type: ignore[arg-type]
+        spec = VersionSpec(
             version=version,
             manifest=read.manifest if early is None else early.manifest,
-            policy=chosen,
-            progress=progress,
             empty=options.empty,
             rebase=options.rebase,
+            progress=progress,
             packed=options.packed,
             check_snapshot=checks[0] if checks else None,
             started=started,
             first=first,
             begun=None if early is None else early.payload,
             sent_first=None if early is None else early.first_payload,
+        )
+        run = StreamRun(
+            links=list(self._links.values()),
+            plane=plane,  # type: ignore[arg-type]
+            policy=chosen,
+            spec=spec,
         )
         try:
             report = await run.run(read.plans)
