@@ -16,6 +16,7 @@ import torch
 
 import aiosync.engine.receiver
 import aiosync.planes
+import aiosync.planes.gathered
 from aiosync.core.engine_actions import OpenPlane
 from aiosync.core.errors import MismatchError, ProtocolError
 from aiosync.core.layout import TensorSpec
@@ -171,7 +172,7 @@ def test_each_part_opens_on_the_device_of_its_ranks_sink(
         return FakePart()
 
     open_plane = aiosync.planes.open_receiver_plane  # the receiver's entry, as it calls it
-    monkeypatch.setattr(aiosync.planes, "open_receiver_plane", recording)  # each part's
+    monkeypatch.setattr(aiosync.planes.gathered, "open_ring", recording)  # each part's
     plane = open_plane(GatheredPlaneSpec(parts), sink.device, None, sink.part_devices)
     devices = [torch.device(d) for d in ("cuda:1", "cuda:0", "cpu")]
     assert opened == list(zip(parts, devices, strict=True))

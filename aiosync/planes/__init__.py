@@ -6,22 +6,12 @@ never touches CUDA or shared memory never loads their modules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from aiosync.core.engine_actions import Apply
 from aiosync.core.layout import TensorSpec
-from aiosync.core.limits import Limits
-from aiosync.core.wire import (
-    CollectivePlaneSpec,
-    CudaPlaneSpec,
-    DirectPlaneSpec,
-    GatheredPlaneSpec,
-    PlaneSpec,
-    ShmPlaneSpec,
-)
 from aiosync.planes.base import BucketContext, Part, ReceiverPlane, SenderPlane
+from aiosync.planes.factory import create_sender_plane, open_receiver_plane
 
 
 def view_bucket(
@@ -58,74 +48,9 @@ def view_parts(
     )
 
 
-def create_sender_plane(
-    device: torch.device, count: int, capacity: int, *, ordered: bool = False
-) -> SenderPlane:
-    """A ring of ``count`` buffers of ``capacity`` bytes shareable from ``device``.
-
-    On CUDA, aiosync's own buffers with legacy IPC handles (:mod:`aiosync.planes.cuda`):
-    ``ordered``, their packing and reading are chained by CUDA events instead of host waits
-    (``WeightSender``'s); otherwise :meth:`SenderPlane.pack` returns with the bytes in
-    place (the colocated topologies').
-    """
-    if device.type == "cuda":
-        from aiosync.planes.cuda import CudaSenderPlane
-
-        return CudaSenderPlane(device, count, capacity, ordered=ordered)
-    if device.type == "cpu":
-        from aiosync.planes.shm import ShmSenderPlane
-
-        return ShmSenderPlane(count, capacity)
-    raise ValueError(f"no data plane for device {device}")
-
-
-def open_receiver_plane(
-    spec: PlaneSpec,
-    device: torch.device,
-    limits: Limits | None = None,
-    part_devices: Sequence[torch.device] | None = None,
-    max_timeout: float | None = None,
-) -> ReceiverPlane:
-    """Open a peer's plane described by ``spec``; CUDA buffers open on ``device`` if CUDA.
-
-    ``limits`` (the engine's) bound the buffers and bytes the plane may name.
-    ``part_devices`` (a sink's, :attr:`aiosync.topology.RankedSink.part_devices`): where
-    each part of a gathered plane opens instead. ``max_timeout`` (seconds, the engine's
-    own): the longest a collective plane takes the peer's timeout to be.
-    """
-    if isinstance(spec, ShmPlaneSpec):
-        from aiosync.planes.shm import ShmReceiverPlane
-
-        if limits is None:
-            return ShmReceiverPlane(spec)
-        return ShmReceiverPlane(
-            spec, max_buffers=limits.max_buffers, max_bytes=limits.max_session_bytes
-        )
-    if isinstance(spec, CudaPlaneSpec):
-        from aiosync.planes.cuda import CudaReceiverPlane
-
-        return CudaReceiverPlane(spec, device)
-    if isinstance(spec, CollectivePlaneSpec):
-        from aiosync.planes.collective_receiver import CollectiveReceiverPlane
-
-        if max_timeout is None:
-            return CollectiveReceiverPlane(spec, device, limits)
-        return CollectiveReceiverPlane(spec, device, limits, max_timeout=max_timeout)
-    if isinstance(spec, DirectPlaneSpec):
-        from aiosync.planes.direct import DirectReceiverPlane
-
-        return DirectReceiverPlane(spec, device, limits)
-    if isinstance(spec, GatheredPlaneSpec):
-        from aiosync.planes.gathered import GatheredReceiverPlane
-
-        return GatheredReceiverPlane(spec, device, limits, part_devices)
-    raise ValueError(f"unknown data plane {type(spec).__name__}")
-
-
 __all__ = [
     "BucketContext",
     "Part",
-    "PlaneMaker",
     "ReceiverPlane",
     "SenderPlane",
     "create_sender_plane",

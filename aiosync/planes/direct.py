@@ -48,6 +48,7 @@ from aiosync.planes.base import BucketContext, Part, ReceiverPlane, SenderPlane
 from aiosync.planes.base import DirectPlan as DirectPlan  # its name here before it moved
 from aiosync.planes.cuda_copies import wait_gate
 from aiosync.planes.direct_regions import RegionFinder, address_range
+from aiosync.planes.rings import open_ring
 
 log = logging.getLogger(__name__)
 
@@ -155,12 +156,10 @@ class DirectReceiverPlane(ReceiverPlane):
     views_at_once = True  # a view never waits on the host (engine.quick_apply)
 
     def __init__(self, spec: DirectPlaneSpec, device: torch.device, limits: Limits | None) -> None:
-        from aiosync.planes import open_receiver_plane
-
         if spec.direct_bytes <= 0:
             raise AiosyncError(f"direct plane of {spec.direct_bytes} bytes")
         self._cuda = isinstance(spec.ring, CudaPlaneSpec)
-        self._ring = open_receiver_plane(spec.ring, device, limits)
+        self._ring = open_ring(spec.ring, device, limits)
         self._direct = len(spec.ring.sizes)
         self._most = spec.direct_bytes
         self._max_bytes = min(spec.direct_bytes, (limits or Limits()).max_session_bytes)

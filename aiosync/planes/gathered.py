@@ -30,8 +30,9 @@ import torch
 from aiosync.core.errors import MismatchError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.limits import Limits
-from aiosync.core.wire import GatheredPlaneSpec, PlaneSpec
+from aiosync.core.wire import CudaPlaneSpec, GatheredPlaneSpec, ShmPlaneSpec
 from aiosync.planes.base import BucketContext, ReceiverPlane, SenderPlane
+from aiosync.planes.rings import open_ring
 
 MAX_PARTS = 1024
 """Most parts (ranks of one engine) a gathered plane may name."""
@@ -77,8 +78,8 @@ def part_devices(
     return list(devices)
 
 
-OpenPart = Callable[[PlaneSpec, torch.device, Limits | None], ReceiverPlane]
-"""Opens one part's plane on a device (default :func:`aiosync.planes.open_receiver_plane`)."""
+OpenPart = Callable[[ShmPlaneSpec | CudaPlaneSpec, torch.device, Limits | None], ReceiverPlane]
+"""Opens one part's plane on a device (default :func:`aiosync.planes.rings.open_ring`)."""
 
 
 class GatheredReceiverPlane(ReceiverPlane):
@@ -95,9 +96,7 @@ class GatheredReceiverPlane(ReceiverPlane):
         devices: Sequence[torch.device] | None = None,
         open_part: OpenPart | None = None,
     ) -> None:
-        from aiosync.planes import open_receiver_plane
-
-        opener: OpenPart = open_receiver_plane if open_part is None else open_part
+        opener: OpenPart = open_ring if open_part is None else open_part
         if not 0 < len(spec.parts) <= MAX_PARTS:
             raise ProtocolError(f"a gathered plane of {len(spec.parts)} parts")
         counts = {len(part.sizes) for part in spec.parts}

@@ -17,12 +17,12 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
+import aiosync.server.messages as m
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, RejectedError
 from aiosync.core.limits import shorten
 from aiosync.core.wire import Challenge, encode
-from aiosync.server import messages as m
 from aiosync.server.roles import new_challenge, proven, receiver_auth
 
 log = logging.getLogger(__name__)

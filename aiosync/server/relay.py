@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
+import aiosync.server.messages as m
 from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, ProtocolError, RejectedError, SyncTimeoutError
 from aiosync.core.limits import Limits
 from aiosync.engine.held import HeldBuckets, bucket_digest
-from aiosync.server import messages as m
 from aiosync.server.relay_checks import check_buckets, check_newer
 from aiosync.server.store import RetentionStore
 

@@ -22,11 +22,11 @@ relay's subscribers check the rest, as they would a trainer's.
 
 from __future__ import annotations
 
+import aiosync.server.messages as m
 from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec, dtype_from_name
 from aiosync.core.limits import Limits, shorten
 from aiosync.engine.held import DIGEST_BYTES
-from aiosync.server import messages as m
 
 NAME_SHOWN = 64
 """Characters of a peer's tensor name an error shows."""

@@ -24,9 +24,9 @@ import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import aiosync.server.messages as m
 from aiosync.channels.keys import ChannelAuth, z85_key
 from aiosync.core.errors import AiosyncError
-from aiosync.server import messages as m
 
 TOKEN_BYTES = 32
 """Random bytes in a subscription's challenge."""

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+import aiosync.server.messages as m
 from aiosync.channels.base import Channel
 from aiosync.core.errors import (
     AiosyncError,
@@ -38,7 +39,6 @@ from aiosync.core.shares import Holder, half_of, holder, over_share
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.planes.shm import ShmSegment
 from aiosync.runtime import require_asyncio
-from aiosync.server import messages as m
 from aiosync.server.admission import admit
 from aiosync.server.config import ServerConfig
 from aiosync.server.feed import counter, feed_version, gone_while_idle, is_refusal, retried

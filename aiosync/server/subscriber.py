@@ -22,6 +22,7 @@ from types import TracebackType
 
 import anyio
 
+import aiosync.server.messages as m
 from aiosync.channels.base import Channel, Listener
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.engine_actions import SyncFailure
@@ -40,7 +41,6 @@ from aiosync.engine.live_hook import OnLive
 from aiosync.engine.receiver import WeightReceiver
 from aiosync.engine.sinks import WeightSink
 from aiosync.runtime import require_asyncio
-from aiosync.server import messages as m
 
 log = logging.getLogger(__name__)
 
