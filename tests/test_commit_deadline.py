@@ -36,6 +36,7 @@ from aiosync.core.engine_actions import Action, CommitSink, Discard, Peer
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import InDoubtError
 from aiosync.core.hello import stated_timeout, uncovered
+from aiosync.core.ready_terms import ReadyTerms
 from aiosync.core.trainer_session import LinkSession
 from aiosync.core.wire import PROTOCOL_MAX, Ack, Commit, Complete, Hello, Message, Ready
 from aiosync.pipeline.links import COMMIT_GRACE
@@ -104,7 +105,7 @@ def test_a_commit_without_a_deadline_is_taken_as_before() -> None:
 @pytest.mark.parametrize("staged", [True, False])
 def test_the_ready_states_the_engines_wait_and_when_it_acks(staged: bool) -> None:
     engine = machine(staged=staged)
-    engine.swap_timeout, engine.ack_at = 30.0, "live"
+    engine.terms = ReadyTerms(30.0, "live")
     ready = reply(send(engine, hello()))
     assert ready == Ready(
         SESSION,

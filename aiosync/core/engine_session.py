@@ -28,10 +28,13 @@ from aiosync.core.engine_actions import (
 )
 from aiosync.core.engine_peers import Phase as Phase
 from aiosync.core.engine_peers import SenderSession as _Session
+from aiosync.core.engine_timers import expired
+from aiosync.core.engine_timers import next_deadline as first_deadline
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.hello import plane_problem, session_slot, stated_timeout
 from aiosync.core.limits import Limits, shorten
 from aiosync.core.manifest import Expectations, TensorMeta
+from aiosync.core.ready_terms import ReadyTerms
 from aiosync.core.shares import holder
 from aiosync.core.stream_state import StreamMemory, light, open_stream
 from aiosync.core.versions import check_version, past_deadline
@@ -48,7 +51,6 @@ from aiosync.core.wire import (
     Hello,
     Message,
     Ping,
-    Ready,
     split_begin,
     spoken,
 )
@@ -59,12 +61,10 @@ class EngineSession:
 
     ``expectations`` (None: accept any tensor, require none) is what the sink takes;
     ``staged`` says whether a broken stream leaves the visible weights untouched; ``limits``
-    bound what any one peer may make the engine hold, check or remember. ``swap_timeout``
-    and ``ack_at`` are stated to senders in the ``ready`` (how long a commit may wait for
-    read leases, and whether it is answered once live or once staged; None: not stated,
-    a machine with no receiver's config behind it); ``clock`` is the
-    wall clock commits' deadlines are read on (``time.time``); ``key_of`` names the CURVE
-    key a peer came with (None: no CURVE), whose share of the sessions it takes.
+    bound what any one peer may make the engine hold, check or remember. ``terms``
+    are stated to senders in the ``ready`` (None: none); ``clock`` is the wall clock
+    commits' deadlines are read on (``time.time``); ``key_of`` names the CURVE key a peer
+    came with (None: no CURVE), whose share of the sessions it takes.
     """
 
     def __init__(
@@ -75,15 +75,13 @@ class EngineSession:
         stream_timeout: float,
         session_timeout: float,
         limits: Limits | None = None,
-        swap_timeout: float | None = None,
-        ack_at: str | None = None,
+        terms: ReadyTerms | None = None,
         clock: Callable[[], float] = time.time,
         key_of: Callable[[Peer], bytes | None] | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.key_of = key_of or (lambda peer: None)
-        self.swap_timeout = swap_timeout
-        self.ack_at = ack_at
+        self.terms = terms or ReadyTerms()
         self.clock = clock
         self.expectations = expectations
         self.staged = staged
@@ -191,14 +189,8 @@ class EngineSession:
         """The IO layer opened ``peer``'s plane: the session is ready."""
         session = self.sessions[peer]
         session.phase = Phase.IDLE
-        waits = self.swap_timeout if self.staged else None  # in place: never a lease to wait for
-        ready = Ready(
-            session.session,
-            PROTOCOL,
-            self.current_version,
-            self.limits,
-            swap_timeout=waits,
-            ack_at=self.ack_at,
+        ready = self.terms.ready(
+            session.session, self.current_version, self.limits, staged=self.staged
         )
         return [Reply(peer, ready)]
 
@@ -339,25 +331,15 @@ class EngineSession:
 
     # --- time -------------------------------------------------------------------------
 
-    def _deadline(self, session: _Session) -> float:
-        if session.stream is not None:
-            return session.progress + self.stream_timeout
-        return session.seen + self.session_timeout
-
     def next_deadline(self) -> float | None:
         """When :meth:`expire` next has work, or None with no sessions."""
-        waiting = [s for s in self.sessions.values() if s.phase is not Phase.COMMITTING]
-        return min((self._deadline(s) for s in waiting), default=None)
+        return first_deadline(self.sessions, self.stream_timeout, self.session_timeout)
 
     def expire(self, now: float) -> list[Action]:
         """End sessions silent past their timeout (a stream: ``stream_timeout``)."""
         actions: list[Action] = []
-        for peer, session in list(self.sessions.items()):
-            if session.phase is Phase.COMMITTING or now < self._deadline(session):
-                continue
-            silent = now - session.progress
-            why = f"sender made no progress for {silent:.1f}s in mid-stream (silent)"
-            actions += self._drop(peer, why if session.stream else "session timed out")
+        for peer, why in expired(self.sessions, now, self.stream_timeout, self.session_timeout):
+            actions += self._drop(peer, why)
         return actions
 
     def close(self) -> list[Action]:

@@ -46,6 +46,7 @@ from aiosync.core.engine_actions import (
 from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, SyncTimeoutError, UsageError
 from aiosync.core.exception_groups import exit_as_one
+from aiosync.core.ready_terms import ReadyTerms
 from aiosync.core.wire import Ack, Begin, Challenge, ManifestMemo, Message, encode, split_begin
 from aiosync.engine.challenges import Challenges
 from aiosync.engine.commit import Swapper, SwapStats
@@ -261,8 +262,7 @@ class WeightReceiver:
             stream_timeout=self.config.stream_timeout,
             session_timeout=self.config.session_timeout,
             limits=self.config.limits,
-            swap_timeout=self.config.swap_timeout,
-            ack_at=self.config.ack_at,
+            terms=ReadyTerms(self.config.swap_timeout, self.config.ack_at),
             key_of=self._key_of,
         )
         if isinstance(self._endpoint, str | None):
