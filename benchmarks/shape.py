@@ -49,6 +49,11 @@ def imported(module: str, tree: ast.AST) -> Iterator[tuple[str, list[str]]]:
                     yield alias.name, []
 
 
+def is_private(name: str) -> bool:
+    """An underscore name no other module should import; a dunder (``__version__``) is not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected groups of more than one module (Tarjan's algorithm)."""
     index: dict[str, int] = {}
@@ -115,7 +120,7 @@ def shape() -> dict[str, Any]:
                 target = target.rsplit(".", 1)[0]
             if target != name:
                 targets.add(target)
-            private += [f"{name} <- {target}.{n}" for n in taken if n.startswith("_")]
+            private += [f"{name} <- {target}.{n}" for n in taken if is_private(n)]
     return {
         "lines": total,
         "modules": len(names),

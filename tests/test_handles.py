@@ -18,8 +18,8 @@ from aiosync import ModuleSink, PeerGoneError
 from aiosync.channels.inproc import inproc_pair
 from aiosync.compat import distributed
 from aiosync.compat.distributed import (
-    _check_weight_sync_results,
     broadcast_hf_buckets_via_distributed_impl,
+    check_weight_sync_results,
     connect_rollout_engines_from_distributed,
     disconnect_rollout_engines_from_distributed,
 )
@@ -72,14 +72,14 @@ def test_answers_of_every_shape_read_as_results(reply: object, success: bool, te
 
 
 def test_check_weight_sync_results_raises_runtime_error_with_each_engines_text() -> None:
-    _check_weight_sync_results([None, (True, ""), {"success": True}, [(True, ""), (True, "")]])
+    check_weight_sync_results([None, (True, ""), {"success": True}, [(True, ""), (True, "")]])
     with pytest.raises(RuntimeError, match="engine 1: out of memory") as info:
-        _check_weight_sync_results(
+        check_weight_sync_results(
             [(True, ""), (False, "out of memory"), {"success": False, "error": "nan"}]
         )
     assert "engine 2: nan" in str(info.value)
     with pytest.raises(RuntimeError, match="engine 0: rank 1 failed"):
-        _check_weight_sync_results([[(True, ""), (False, "rank 1 failed")]])
+        check_weight_sync_results([[(True, ""), (False, "rank 1 failed")]])
     long = "x" * 100_000
     assert len(failures([(False, long)])[0]) < 5000  # a flood from an engine is cut
 

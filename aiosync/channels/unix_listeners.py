@@ -3,7 +3,7 @@
 Binding an ``ipc://`` path that a live socket holds does not fail in ZMQ: the second bind
 removes the socket file and makes its own, and the first socket goes on listening where
 nothing can reach it. aiosync's own listeners refuse a live path before they bind
-(:func:`~aiosync.channels.zmq_common._refuse_live_ipc`), but a caller's socket (NeMo-RL's
+(:func:`~aiosync.channels.zmq_common.refuse_live_ipc`), but a caller's socket (NeMo-RL's
 policy worker binds its REQ socket itself) binds without asking. :func:`refuse_double_bind`
 finds that afterwards: it asks the kernel (``NETLINK_SOCK_DIAG``, the ``unix_diag`` interface
 ``ss -xl`` uses) for every listening unix socket bound to the path's name, and calls the path

@@ -26,10 +26,10 @@ from aiosync.channels.endpoints import check_endpoint, is_loopback_endpoint
 from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.zmq_common import (
     CLOSE_LINGER_MS,
-    _wants_ipv6,
-    _zmq_error,
     curve_keys,
     private_ipc_endpoint,
+    wants_ipv6,
+    zmq_error,
 )
 from aiosync.channels.zmq_listener import (
     DROPPED_MEMORY,
@@ -101,7 +101,7 @@ class ZmqChannel:
             self._owned.add(socket, flush=True)
             self._poller.register(self._monitor, zmq.POLLIN)
             self._owned.watch(self)
-        self._errors = _zmq_error(endpoint)
+        self._errors = zmq_error(endpoint)
 
     @classmethod
     def connect(cls, endpoint: str, *, auth: ChannelAuth | None = None) -> ZmqChannel:
@@ -117,7 +117,7 @@ class ZmqChannel:
         ctx = PrivateContext()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, int(_wants_ipv6(endpoint)))
+        sock.setsockopt(zmq.IPV6, int(wants_ipv6(endpoint)))
         channel: ZmqChannel | None = None
         try:
             if keys is not None:
@@ -127,7 +127,7 @@ class ZmqChannel:
                 sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             # The channel attaches its monitor first: a handshake that fails at once is seen.
             channel = cls(sock, endpoint=endpoint, context=ctx)
-            with map_exceptions(_zmq_error(endpoint)):
+            with map_exceptions(zmq_error(endpoint)):
                 sock.connect(endpoint)
         except BaseException:
             if channel is not None and channel._owned is not None:

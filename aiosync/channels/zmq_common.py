@@ -6,7 +6,7 @@ endpoint lives in a directory only this user can enter); ``tcp://`` needs CURVE 
 address with ``ChannelAuth(insecure_loopback=True)``. :func:`curve_keys` decides this for
 both :class:`~aiosync.channels.zmq.ZmqChannel` and
 :class:`~aiosync.channels.zmq_listener.ZmqListener`. Every ZMQ error becomes an aiosync
-error through :func:`_zmq_error`. The underscored helpers here are shared by those two
+error through :func:`zmq_error`. The underscored helpers here are shared by those two
 modules only.
 """
 
@@ -34,7 +34,9 @@ ack when it exits right after committing.
 """
 
 
-def _zmq_error(endpoint: str) -> ErrorMap:
+def zmq_error(endpoint: str) -> ErrorMap:
+    """Map a ``zmq.ZMQError`` on ``endpoint`` to the package's errors (address in use, gone)."""
+
     def build(exc: BaseException) -> AiosyncError:
         code = getattr(exc, "errno", None)
         if code == errno.EADDRINUSE:
@@ -51,7 +53,7 @@ def _zmq_error(endpoint: str) -> ErrorMap:
 # --- who may use which endpoint --------------------------------------------------------------
 
 
-def _wants_ipv6(endpoint: str) -> bool:
+def wants_ipv6(endpoint: str) -> bool:
     """True for a ``tcp://`` endpoint with a bracketed (IPv6) address, which zmq needs told."""
     return endpoint.startswith("tcp://") and "[" in endpoint
 
@@ -101,13 +103,14 @@ def private_ipc_endpoint(name: str = "engine") -> tuple[str, Path]:
     return f"ipc://{directory / (name + '.sock')}", directory
 
 
-def _ipc_path(endpoint: str) -> Path | None:
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ``ipc://`` endpoint; None for any other transport."""
     return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
 
 
-def _refuse_live_ipc(endpoint: str) -> None:
+def refuse_live_ipc(endpoint: str) -> None:
     """Refuse an ``ipc://`` path a live process listens on; remove a dead one's socket file."""
-    path = _ipc_path(endpoint)
+    path = ipc_path(endpoint)
     if path is None or not path.exists():
         return
     probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)

@@ -38,12 +38,12 @@ from aiosync.channels.keys import ChannelAuth
 from aiosync.channels.unix_listeners import refuse_double_bind
 from aiosync.channels.zmq_common import (
     CLOSE_LINGER_MS,
-    _ipc_path,
-    _refuse_live_ipc,
-    _wants_ipv6,
-    _zmq_error,
     curve_keys,
+    ipc_path,
     private_ipc_endpoint,
+    refuse_live_ipc,
+    wants_ipv6,
+    zmq_error,
 )
 from aiosync.channels.zmq_owned import OwnedSockets, PrivateContext
 from aiosync.core.errors import PeerGoneError, UsageError, map_exceptions
@@ -230,12 +230,12 @@ class ZmqListener:
     ) -> None:
         self._private_dir = private_dir
         self._connecting = connecting
-        self._errors = _zmq_error(endpoint)
+        self._errors = zmq_error(endpoint)
         self._closed = True  # until bound
         try:
             check_endpoint(endpoint, binding=True)
             keys = curve_keys(endpoint, auth, binding=True)
-            (refuse_double_bind if connecting else _refuse_live_ipc)(endpoint)
+            (refuse_double_bind if connecting else refuse_live_ipc)(endpoint)
         except BaseException:
             self._remove_private_dir()
             raise
@@ -256,7 +256,7 @@ class ZmqListener:
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._socket.setsockopt(zmq.SNDHWM, send_hwm)
-            self._socket.setsockopt(zmq.IPV6, int(_wants_ipv6(endpoint)))
+            self._socket.setsockopt(zmq.IPV6, int(wants_ipv6(endpoint)))
             if max_message_bytes is not None:
                 self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
             if keys is not None:
@@ -275,7 +275,7 @@ class ZmqListener:
             endpoint if connecting else self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         )
         self._closed = False
-        files = None if connecting else _ipc_path(self._endpoint)
+        files = None if connecting else ipc_path(self._endpoint)
         self._owned = OwnedSockets(self._ctx, cleanup=_remover(files, self._private_dir))
         self._owned.add(self._socket, flush=True)
         if self._zap is not None:  # after the ROUTER: no handler means no check at all
@@ -476,7 +476,7 @@ class ZmqListener:
         for peer in list(self._peers.values()):
             await peer.aclose()
         self._owned.close(CLOSE_LINGER_MS)
-        path = _ipc_path(self._endpoint)
+        path = ipc_path(self._endpoint)
         if path is not None and not self._connecting:  # a connected path is the peer's
             path.unlink(missing_ok=True)
         self._remove_private_dir()

@@ -1,6 +1,7 @@
 """NeMo-RL's colocated path by its names and signatures, on :mod:`aiosync.topology`.
 
-:func:`_derive_engine_gpu_offsets`, :func:`connect_colocate_topology` and
+:func:`compat_engine_gpu_offsets` (NeMo-RL's ``_derive_engine_gpu_offsets``),
+:func:`connect_colocate_topology` and
 :func:`send_hf_buckets_via_ipc_actor_impl` keep the reference's blocking signatures and its
 ``worker_state`` keys. The differences: each rank's bucket description is msgpack bytes in a
 ``uint8`` tensor, never a pickled object; the engine at the other end is an aiosync
@@ -61,7 +62,7 @@ def _translated(exc: BaseException, context: str) -> BaseException:
     return translate(cause, context) if isinstance(cause, Exception) else cause
 
 
-def _derive_engine_gpu_offsets(engine_gpu_counts: list[int]) -> list[int]:
+def compat_engine_gpu_offsets(engine_gpu_counts: list[int]) -> list[int]:
     """Cumulative-sum offsets for a dense engine layout (``[2, 2] -> [0, 2]``).
 
     Raises ``ValueError`` (also an ``AiosyncError``) for a count that is not a positive
@@ -140,7 +141,7 @@ def send_hf_buckets_via_ipc_actor_impl(
 
 
 __all__ = [
-    "_derive_engine_gpu_offsets",
+    "compat_engine_gpu_offsets",
     "connect_colocate_topology",
     "send_hf_buckets_via_ipc_actor_impl",
 ]

@@ -3,7 +3,7 @@
 :func:`connect_rollout_engines_from_distributed`,
 :func:`broadcast_hf_buckets_via_distributed_impl`,
 :func:`disconnect_rollout_engines_from_distributed` and
-:func:`_check_weight_sync_results` keep the reference's blocking signatures; underneath,
+:func:`check_weight_sync_results` keep the reference's blocking signatures; underneath,
 each engine is an :class:`~aiosync.handles.EngineHandle` (raw Ray actor handles, engine
 objects and aiosync handles are all accepted) driven from one background event loop, and
 the collectives run on the group's :class:`~aiosync.collectives.GroupExecutor` thread.
@@ -126,7 +126,7 @@ def _run(main: Callable[[], Awaitable[T]]) -> T:
         raise compat from exc
 
 
-def _check_weight_sync_results(results: list) -> None:  # type: ignore[type-arg]
+def check_weight_sync_results(results: list) -> None:  # type: ignore[type-arg]
     """Raise ``RuntimeError`` when any engine's result says it failed.
 
     A result is a ``(success, message)`` tuple (SGLang's), a dict or an object with
@@ -284,7 +284,7 @@ def broadcast_hf_buckets_via_distributed_impl(
     Per bucket, with ``rollout_engine_lock`` held: the tensors' names, dtypes and shapes go
     to every engine (``update_weights_from_distributed``), rank 0 broadcasts each tensor
     (or the packed bucket, see ``AIOSYNC_BROADCAST_FORMAT``), and every engine's answer is
-    checked as :func:`_check_weight_sync_results` does. One deadline covers the whole call;
+    checked as :func:`check_weight_sync_results` does. One deadline covers the whole call;
     an engine that dies or stalls ends it with an error naming that engine. Any failure
     breaks the group: disconnect and connect again. Engines keep their previous version.
     """

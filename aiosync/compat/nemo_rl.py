@@ -29,15 +29,19 @@ from aiosync import PeerGoneError, SenderConfig, SyncTimeoutError
 from aiosync.collectives import init_process_group
 from aiosync.compat import stream_cache
 from aiosync.compat.colocate import (
-    _derive_engine_gpu_offsets,
+    compat_engine_gpu_offsets as _derive_engine_gpu_offsets,  # NeMo-RL's name
+)
+from aiosync.compat.colocate import (
     connect_colocate_topology,
     send_hf_buckets_via_ipc_actor_impl,
 )
 from aiosync.compat.distributed import (
-    _check_weight_sync_results,
     broadcast_hf_buckets_via_distributed_impl,
     connect_rollout_engines_from_distributed,
     disconnect_rollout_engines_from_distributed,
+)
+from aiosync.compat.distributed import (
+    check_weight_sync_results as _check_weight_sync_results,  # NeMo-RL's name
 )
 from aiosync.compat.errors import CompatRuntimeError, CompatTypeError, CompatValueError, translate
 from aiosync.compat.policy import (

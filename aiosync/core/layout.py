@@ -32,7 +32,8 @@ _DTYPES: dict[str, torch.dtype] = {  # wire name -> dtype; the wire names are to
     for name in (*_STREAMED.split(), "bool", "float8_e4m3fn", "float8_e5m2")
     if isinstance(getattr(torch, name, None), torch.dtype)  # float8: recent torch only
 }
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+"""The wire name of each dtype a layout may carry (``torch.float32 -> "float32"``)."""
 
 
 def calculate_aligned_size(size_bytes: int, alignment: int = ALIGNMENT) -> int:
@@ -47,7 +48,7 @@ def calculate_aligned_size(size_bytes: int, alignment: int = ALIGNMENT) -> int:
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
     try:
-        return _DTYPE_NAMES[dtype]
+        return DTYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} cannot be streamed") from None
 
@@ -200,7 +201,7 @@ def plan_buckets(
         raise ValueError(f"buffer capacity must be a positive multiple of {ALIGNMENT}")
     plan = BucketPlan(whole=0, payload=0)
     seen: set[str] = set()
-    names = _DTYPE_NAMES
+    names = DTYPE_NAMES
     for name, raw in named_tensors:
         if name in seen:
             raise MismatchError(f"tensor {name!r} appears twice in one sync", tensor=name)

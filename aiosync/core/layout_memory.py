@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from aiosync.core.layout import BucketPlan, dtype_from_name
-from aiosync.core.planning import VersionLayout, _Chunked, lay_out
+from aiosync.core.planning import ChunkedTensor, VersionLayout, lay_out
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,11 @@ class _Kept:
 
     def rebuild(self, tensors: list[torch.Tensor]) -> VersionLayout:
         """The kept layout with ``tensors`` (in manifest order) in its plans."""
-        items: list[BucketPlan | _Chunked] = []
+        items: list[BucketPlan | ChunkedTensor] = []
         at = 0
         for item in self.layout.items:
-            if isinstance(item, _Chunked):
-                items.append(_Chunked(tensors[at], item.meta, item.nbytes, item.entry))
+            if isinstance(item, ChunkedTensor):
+                items.append(ChunkedTensor(tensors[at], item.meta, item.nbytes, item.entry))
                 at += 1
                 continue
             count = len(item.specs)

@@ -21,8 +21,8 @@ import torch
 
 from aiosync.core.errors import MismatchError
 from aiosync.core.layout import (
-    _DTYPE_NAMES,
     ALIGNMENT,
+    DTYPE_NAMES,
     MAX_BUCKET_ITEMS,
     TINY_BYTES,
     BucketPlan,
@@ -43,7 +43,7 @@ Planner = Callable[..., "VersionLayout | None"]
 
 
 @dataclass
-class _Chunked:
+class ChunkedTensor:
     """A tensor larger than a buffer: its chunk plans are made when the packer gets there."""
 
     tensor: torch.Tensor
@@ -57,7 +57,7 @@ class VersionLayout:
     """One version of visible tensors: its manifest and, in order, its planned buckets."""
 
     manifest: list[TensorMeta]
-    items: list[BucketPlan | _Chunked] = field(default_factory=list)
+    items: list[BucketPlan | ChunkedTensor] = field(default_factory=list)
 
     def buckets(self, capacity: int) -> LayoutPlans:
         """The bucket plans in order; a chunked tensor is made contiguous when reached."""
@@ -73,7 +73,7 @@ class LayoutPlans(Iterator[BucketPlan]):
     its first chunk is asked for.
     """
 
-    def __init__(self, items: list[BucketPlan | _Chunked], capacity: int) -> None:
+    def __init__(self, items: list[BucketPlan | ChunkedTensor], capacity: int) -> None:
         self._items = iter(items)
         self._left = len(items)
         self._capacity = capacity
@@ -95,7 +95,7 @@ class LayoutPlans(Iterator[BucketPlan]):
                 return item
             self._chunks = self._chunked(item)
 
-    def _chunked(self, item: _Chunked) -> Iterator[BucketPlan]:
+    def _chunked(self, item: ChunkedTensor) -> Iterator[BucketPlan]:
         meta = item.meta
         spec = TensorSpec(meta.name, meta.dtype, meta.shape, 0, item.nbytes)
         for plan in chunk_plans(item.tensor, spec, self._capacity):
@@ -143,9 +143,9 @@ def _one_pass(
     attribute update saved is milliseconds.
     """
     manifest: list[TensorMeta] = []
-    items: list[BucketPlan | _Chunked] = []
+    items: list[BucketPlan | ChunkedTensor] = []
     sent: list[str] = []  # names, checked for repeats at the end (or at the first error)
-    names, tensor_type, tiny_bytes, align = _DTYPE_NAMES, torch.Tensor, TINY_BYTES, ALIGNMENT
+    names, tensor_type, tiny_bytes, align = DTYPE_NAMES, torch.Tensor, TINY_BYTES, ALIGNMENT
     tensors: list[torch.Tensor] = []
     specs: list[TensorSpec] = []
     entries: list[int] = []
@@ -174,7 +174,7 @@ def _one_pass(
             if aligned > capacity:
                 meta = TensorMeta(name, dtype, shape, -(-nbytes // capacity))
                 manifest.append(meta)
-                items.append(_Chunked(tensor, meta, nbytes, entry))
+                items.append(ChunkedTensor(tensor, meta, nbytes, entry))
                 entry += 1
                 continue
         manifest.append(TensorMeta(name, dtype, shape))

@@ -25,8 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from aiosync.core.errors import AiosyncError
-from aiosync.planes.cuda_runtime import _check as _check_runtime
-from aiosync.planes.cuda_runtime import driver, runtime
+from aiosync.planes.cuda_runtime import check_cuda, driver, runtime
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: after earlier writes are visible
@@ -73,7 +72,7 @@ def _own_stream(device: int) -> Iterator[torch.cuda.ExternalStream]:
     handle = ctypes.c_void_p()
     with torch.cuda.device(device):
         code = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _NON_BLOCKING)
-        _check_runtime(code, "cudaStreamCreateWithFlags")
+        check_cuda(code, "cudaStreamCreateWithFlags")
         try:
             where = torch.device("cuda", device)
             yield torch.cuda.ExternalStream(handle.value or 0, device=where)  # type: ignore[no-untyped-call]
@@ -98,13 +97,13 @@ def reached(word: torch.Tensor, value: int) -> bool:
     with _lock:
         if _pinned_word is None:
             pinned = ctypes.c_void_p()
-            _check_runtime(lib.cudaMallocHost(ctypes.byref(pinned), ctypes.c_size_t(4)), "pin")
+            check_cuda(lib.cudaMallocHost(ctypes.byref(pinned), ctypes.c_size_t(4)), "pin")
             _pinned_word = pinned
         with _own_stream(device) as stream:
             code = lib.cudaMemcpyAsync(
                 _pinned_word, word.data_ptr(), 4, _DEVICE_TO_HOST, stream.cuda_stream
             )
-            _check_runtime(code, "cudaMemcpyAsync")
+            check_cuda(code, "cudaMemcpyAsync")
         now = ctypes.c_int32.from_address(_pinned_word.value or 0).value
     return ((now - value) & 0xFFFFFFFF) < (1 << 31)
 

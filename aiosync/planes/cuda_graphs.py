@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiosync.planes.cuda_runtime import _MEMCPY_DEFAULT, _check, runtime
+from aiosync.planes.cuda_runtime import MEMCPY_DEFAULT, check_cuda, runtime
 
 CopyJob = tuple[int, int, int]
 """One copy: destination address, source address, bytes."""
@@ -84,12 +84,12 @@ class CopyGraph:
         self._exec: int | None = None
         with torch.cuda.device(device):
             graph = ctypes.c_void_p()
-            _check(lib.cudaGraphCreate(ctypes.byref(graph), 0), "cudaGraphCreate")
+            check_cuda(lib.cudaGraphCreate(ctypes.byref(graph), 0), "cudaGraphCreate")
             try:
                 _add_copies(lib, graph, jobs, chains)
                 made = ctypes.c_void_p()
                 code = lib.cudaGraphInstantiateWithFlags(ctypes.byref(made), graph, 0)
-                _check(code, "cudaGraphInstantiateWithFlags")
+                check_cuda(code, "cudaGraphInstantiateWithFlags")
             finally:
                 _destroy(None, graph.value)  # the instantiated graph stands alone
         self._exec = made.value
@@ -102,7 +102,7 @@ class CopyGraph:
         code = _graph_runtime().cudaGraphLaunch(
             ctypes.c_void_p(self._exec), ctypes.c_void_p(stream.cuda_stream)
         )
-        _check(code, "cudaGraphLaunch")
+        check_cuda(code, "cudaGraphLaunch")
 
     def close(self) -> None:
         """Destroy the graph (idempotent); launches already queued still run."""
@@ -128,8 +128,8 @@ def _add_copies(
             ctypes.c_void_p(dst),
             ctypes.c_void_p(src),
             nbytes,
-            _MEMCPY_DEFAULT,
+            MEMCPY_DEFAULT,
         )
-        _check(code, "cudaGraphAddMemcpyNode1D")
+        check_cuda(code, "cudaGraphAddMemcpyNode1D")
         if chains is not None:
             ends[chains[k]] = node

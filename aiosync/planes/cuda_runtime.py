@@ -29,10 +29,13 @@ IPC_HANDLE_BYTES = 64
 """Bytes of a ``cudaIpcMemHandle_t`` and of a ``cudaIpcEventHandle_t``."""
 
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
+MEMCPY_DEFAULT = 4
+"""``cudaMemcpyDefault``: a copy's direction follows from its (unified) addresses."""
 
 
-class _IpcHandle(ctypes.Structure):
+class IpcHandle(ctypes.Structure):
+    """A ``cudaIpcMemHandle_t`` (or event handle) as ctypes passes it: 64 opaque bytes."""
+
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
 
@@ -68,7 +71,7 @@ def runtime() -> ctypes.CDLL:
             lib.cudaGetErrorString.restype = ctypes.c_char_p
             lib.cudaIpcOpenMemHandle.argtypes = [
                 ctypes.POINTER(ctypes.c_void_p),
-                _IpcHandle,
+                IpcHandle,
                 ctypes.c_uint,
             ]
             lib.cudaMemcpyAsync.argtypes = [
@@ -119,7 +122,8 @@ def driver() -> ctypes.CDLL:
         return _driver
 
 
-def _check(code: int, what: str) -> None:
+def check_cuda(code: int, what: str) -> None:
+    """Raise :class:`AiosyncError` naming ``what`` and CUDA's text unless ``code`` is 0."""
     if code != 0:
         text = runtime().cudaGetErrorString(code)
         raise AiosyncError(f"{what} failed: {text.decode() if text else code} (CUDA error {code})")
@@ -133,13 +137,13 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     fraction of the time. The caller checks both ranges; the current device must be the
     stream's.
     """
-    code = runtime().cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream or None)
+    code = runtime().cudaMemcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, stream or None)
     if code != 0:
-        _check(code, "cudaMemcpyAsync")
+        check_cuda(code, "cudaMemcpyAsync")
 
 
 def _use_device(index: int) -> None:
-    _check(runtime().cudaSetDevice(ctypes.c_int(index)), f"cudaSetDevice({index})")
+    check_cuda(runtime().cudaSetDevice(ctypes.c_int(index)), f"cudaSetDevice({index})")
 
 
 class _Interface:
@@ -179,13 +183,13 @@ class DeviceMemory:
         with torch.cuda.device(device):
             _use_device(device)
             pointer = ctypes.c_void_p()
-            _check(lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(size)), "cudaMalloc")
+            check_cuda(lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(size)), "cudaMalloc")
             assert pointer.value is not None
-            handle = _IpcHandle()
+            handle = IpcHandle()
             code = lib.cudaIpcGetMemHandle(ctypes.byref(handle), pointer)
             if code != 0:
                 lib.cudaFree(pointer)
-                _check(code, "cudaIpcGetMemHandle")
+                check_cuda(code, "cudaIpcGetMemHandle")
             raw = ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
             return cls(pointer.value, size, device, raw, owned=True)
 
@@ -198,10 +202,10 @@ class DeviceMemory:
         with torch.cuda.device(device):
             _use_device(device)
             pointer = ctypes.c_void_p()
-            raw = _IpcHandle()
+            raw = IpcHandle()
             ctypes.memmove(ctypes.addressof(raw), handle, IPC_HANDLE_BYTES)
             code = lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, _LAZY_ENABLE_PEER_ACCESS)
-            _check(code, "cudaIpcOpenMemHandle")
+            check_cuda(code, "cudaIpcOpenMemHandle")
             assert pointer.value is not None
             return cls(pointer.value, size, device, handle, owned=False)
 
@@ -222,6 +226,8 @@ class DeviceMemory:
             torch.cuda.synchronize(self.device)
             _use_device(self.device)
             if self._owned:
-                _check(lib.cudaFree(ctypes.c_void_p(pointer)), "cudaFree")
+                check_cuda(lib.cudaFree(ctypes.c_void_p(pointer)), "cudaFree")
             else:
-                _check(lib.cudaIpcCloseMemHandle(ctypes.c_void_p(pointer)), "cudaIpcCloseMemHandle")
+                check_cuda(
+                    lib.cudaIpcCloseMemHandle(ctypes.c_void_p(pointer)), "cudaIpcCloseMemHandle"
+                )

@@ -290,9 +290,9 @@ class DirectReceiverPlane(ReceiverPlane):
             if not isinstance(region, CudaRegion) or len(region.handle) != 64:
                 raise ProtocolError("a direct CUDA bucket names a region that is no CUDA handle")
             return region.handle
-        from aiosync.planes.memfd import _MEMFD_NAME
+        from aiosync.planes.memfd import MEMFD_NAME
 
-        if not isinstance(region, ShmHandle) or not _MEMFD_NAME.fullmatch(region.name):
+        if not isinstance(region, ShmHandle) or not MEMFD_NAME.fullmatch(region.name):
             raise ProtocolError("a direct CPU bucket names a region that is no sealed memfd")
         return region.name
 

@@ -235,9 +235,9 @@ def segment_bases(snapshot: Sequence[Mapping[str, Any]], device: int) -> frozens
 
 def _export(base: int, size: int) -> CudaRegion | None:
     """The legacy IPC handle of the allocation at ``base``; None where CUDA refuses one."""
-    from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, _IpcHandle, runtime
+    from aiosync.planes.cuda_runtime import IPC_HANDLE_BYTES, IpcHandle, runtime
 
-    handle = _IpcHandle()
+    handle = IpcHandle()
     lib = runtime()
     if lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)) != 0:
         lib.cudaGetLastError()  # clear it: torch's next launch check would raise it

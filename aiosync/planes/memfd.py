@@ -1,7 +1,7 @@
 """Shared-memory segments as sealed memfds, and their opening from ``/proc/<pid>/fd/<n>``.
 
 Sealed memfds are what a trainer's data plane makes by default. The creator
-(:func:`_create_memfd`) makes an anonymous ``memfd_create`` file, mode 0600, takes its
+(:func:`create_memfd`) makes an anonymous ``memfd_create`` file, mode 0600, takes its
 memory now (``posix_fallocate``, after checking :func:`memory_free`) and seals it with
 ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: from then on nobody, the creator included,
 can change its size. Asked to (``seal_writes``: a trainer's plane and the weight server do),
@@ -10,7 +10,7 @@ mapping can change its bytes (a kernel that refuses the seal is warned about, on
 keeps the descriptor open; the handle's name says where an engine finds it,
 ``aiosync-memfd-<pidns>-<pid>-<fd>-<token>``, that is ``/proc/<pid>/fd/<fd>``.
 
-The engine (:func:`_open_memfd_segment`) refuses the name unless ``pidns`` is its own PID
+The engine (:func:`open_memfd_segment`) refuses the name unless ``pidns`` is its own PID
 namespace, opens that path with ``O_PATH`` (which has no effect on whatever file it is: no
 device is opened, no FIFO waited on), and checks the descriptor: a regular file owned by
 this user, mode 0600, exactly the claimed size (within the caller's limit), the very memfd
@@ -48,14 +48,14 @@ from aiosync.core.errors import AiosyncError
 from aiosync.planes.shm_files import (
     MODE,
     SHM_PREFIX,
-    _check_allocated,
-    _check_descriptor,
-    _check_free,
-    _kind,
-    _map,
-    _open_directory,
-    _reserve,
-    _shown,
+    check_allocated,
+    check_free,
+    check_segment_descriptor,
+    file_kind,
+    map_segment,
+    open_directory,
+    reserve_segment,
+    shown_name,
 )
 from aiosync.private_dirs import pid_namespace
 
@@ -68,8 +68,9 @@ BACKEND_ENV = "AIOSYNC_SHM_BACKEND"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _F_SEAL_FUTURE_WRITE = 0x0010  # not exported by Python 3.11's fcntl
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE
-# Bounded digit counts (as in _FILE_NAME): a planted name can't make int() slow.
-_MEMFD_NAME = re.compile(r"aiosync-memfd-(\d{1,20})-([1-9]\d{0,9})-(0|[1-9]\d{0,9})-([0-9a-f]{16})")
+# Bounded digit counts (as in FILE_NAME): a planted name can't make int() slow.
+MEMFD_NAME = re.compile(r"aiosync-memfd-(\d{1,20})-([1-9]\d{0,9})-(0|[1-9]\d{0,9})-([0-9a-f]{16})")
+"""A sealed memfd's name: its creator's PID namespace, pid, descriptor number and token."""
 
 
 # --------------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def memory_free() -> int | None:
     return min(known) if known else None
 
 
-def _create_memfd(
+def create_memfd(
     size: int, stem: str, *, seal_writes: bool = False
 ) -> tuple[str, int, torch.Tensor]:
     """Make a sealed memfd of ``size`` bytes, mapped; returns its name, descriptor and view.
@@ -164,13 +165,13 @@ def _create_memfd(
     punch holes or map it writable. The caller keeps the descriptor open: the name points at it.
     """
     free = memory_free()
-    _check_free(size, free, "memory")
+    check_free(size, free, "memory")
     fd = os.memfd_create(SHM_PREFIX + stem, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, MODE)
-        _reserve(fd, size, "memory", free)
+        reserve_segment(fd, size, "memory", free)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        tensor = _map(fd, size)  # before the write seal, which refuses new writable maps
+        tensor = map_segment(fd, size)  # before the write seal, which refuses new writable maps
         if seal_writes and not _seal_future_writes(fd):
             _warn_unsealed()
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
@@ -207,13 +208,13 @@ def _warn_unsealed() -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable: bool) -> int:
+def open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable: bool) -> int:
     """Open the sealed memfd ``/proc/<pid>/fd/<fd>`` that ``name`` points at; checked.
 
     ``writable=False`` (what an engine asks for) opens it read-only, so it can only be
     mapped ``PROT_READ``; a segment sealed against writes is then accepted.
     """
-    shown = _shown(name)
+    shown = shown_name(name)
     namespace, pid, number, token = (match.group(i) for i in range(1, 5))
     ours = pid_namespace()
     if int(namespace) != ours or ours == 0:
@@ -226,7 +227,7 @@ def _open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable:
     if device is None:
         raise AiosyncError(f"cannot check memfd segment {shown}: this process has no memfds")
     try:
-        dirfd = _open_directory(f"/proc/{pid}/fd")
+        dirfd = open_directory(f"/proc/{pid}/fd")
     except FileNotFoundError:
         raise AiosyncError(
             f"shared-memory segment {shown} does not exist (its creator, pid {pid}, is gone)"
@@ -256,11 +257,11 @@ def _open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable:
         found = os.fstat(path_fd)
         gone = f"shared-memory segment {shown} does not exist: descriptor {number} of pid {pid}"
         if not stat.S_ISREG(found.st_mode):
-            raise AiosyncError(f"{gone} is {_kind(found.st_mode)}")
+            raise AiosyncError(f"{gone} is {file_kind(found.st_mode)}")
         expected = f"/memfd:{SHM_PREFIX}{namespace}-{pid}-{token} (deleted)"
         if os.readlink(f"/proc/self/fd/{path_fd}") != expected:
             raise AiosyncError(f"{gone} is another file")
-        first = _check_descriptor(path_fd, name, size, links=None)
+        first = check_segment_descriptor(path_fd, name, size, links=None)
         access = os.O_RDWR if writable else os.O_RDONLY
         fd = os.open(
             f"/proc/self/fd/{path_fd}", access | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
@@ -272,7 +273,7 @@ def _open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable:
     finally:
         os.close(path_fd)
     try:
-        info = _check_descriptor(fd, name, size, links=None)
+        info = check_segment_descriptor(fd, name, size, links=None)
         if (info.st_dev, info.st_ino) != (first.st_dev, first.st_ino):
             raise AiosyncError(f"shared-memory segment {shown} changed while it was opened")
         if info.st_dev != device:
@@ -287,7 +288,7 @@ def _open_memfd_segment(name: str, size: int, match: re.Match[str], *, writable:
             )
         if writable and seals & _WRITE_SEALS:
             raise AiosyncError(f"shared-memory segment {shown} is sealed against writing")
-        _check_allocated(info, shown)
+        check_allocated(info, shown)
     except OSError as exc:
         os.close(fd)
         raise AiosyncError(

@@ -36,22 +36,22 @@ from aiosync.core.layout import BucketPlan, pack_bucket
 from aiosync.core.wire import ShmHandle, ShmPlaneSpec
 from aiosync.planes.base import BucketContext, ReceiverPlane, SenderPlane
 from aiosync.planes.memfd import (
-    _MEMFD_NAME,
     BACKEND_ENV,
-    _create_memfd,
-    _open_memfd_segment,
+    MEMFD_NAME,
+    create_memfd,
     memfd_available,
+    open_memfd_segment,
 )
 from aiosync.planes.shm_files import (
-    _FILE_NAME,
+    FILE_NAME,
     SHM_DIR,
-    _check_size,
-    _check_used,
-    _CopiedBuffer,
-    _create_file,
-    _map,
-    _open_file_segment,
-    _shown,
+    CopiedFileBuffer,
+    check_claimed_size,
+    check_used,
+    create_file_segment,
+    map_segment,
+    open_file_segment,
+    shown_name,
     sweep_stale_segments,
 )
 from aiosync.private_dirs import pid_namespace
@@ -69,7 +69,7 @@ Backend = Literal["memfd", "file"]
 def _backend(requested: Backend | None) -> Backend:
     wanted = requested or os.environ.get(BACKEND_ENV, "").strip().lower() or None
     if wanted not in (None, "memfd", "file"):
-        raise AiosyncError(f"{BACKEND_ENV} is {_shown(wanted)}; use memfd or file")
+        raise AiosyncError(f"{BACKEND_ENV} is {shown_name(wanted)}; use memfd or file")
     if wanted == "file":
         return "file"
     if memfd_available():
@@ -105,14 +105,14 @@ def open_segment(
     """
     name = handle.name
     if not isinstance(name, str):
-        raise AiosyncError(f"refusing shared-memory name {_shown(name)}")
-    if match := _MEMFD_NAME.fullmatch(name):
-        size = _check_size(name, handle.size, max_size)
-        return _open_memfd_segment(name, size, match, writable=writable), "memfd"
-    if _FILE_NAME.fullmatch(name):
-        size = _check_size(name, handle.size, max_size)
-        return _open_file_segment(name, size, writable=writable), "file"
-    raise AiosyncError(f"refusing shared-memory name {_shown(name)}")
+        raise AiosyncError(f"refusing shared-memory name {shown_name(name)}")
+    if match := MEMFD_NAME.fullmatch(name):
+        size = check_claimed_size(name, handle.size, max_size)
+        return open_memfd_segment(name, size, match, writable=writable), "memfd"
+    if FILE_NAME.fullmatch(name):
+        size = check_claimed_size(name, handle.size, max_size)
+        return open_file_segment(name, size, writable=writable), "file"
+    raise AiosyncError(f"refusing shared-memory name {shown_name(name)}")
 
 
 # --------------------------------------------------------------------------------------
@@ -173,9 +173,9 @@ class ShmSegment:
         token = secrets.token_hex(8)
         stem = f"{pid_namespace()}-{os.getpid()}-{token}"
         if backend == "memfd":
-            name, fd, tensor = _create_memfd(size, stem, seal_writes=seal_writes)
+            name, fd, tensor = create_memfd(size, stem, seal_writes=seal_writes)
             return cls(name, size, tensor, owner=True, backend="memfd", fd=fd)
-        name, tensor = _create_file(size, stem)
+        name, tensor = create_file_segment(size, stem)
         return cls(name, size, tensor, owner=True, backend="file")
 
     @classmethod
@@ -195,10 +195,10 @@ class ShmSegment:
         """
         fd, kind = open_segment(handle, max_size=max_size, writable=writable)
         try:
-            tensor = _map(fd, handle.size, writable=writable)
+            tensor = map_segment(fd, handle.size, writable=writable)
         except (OSError, ValueError) as exc:
             raise AiosyncError(
-                f"cannot map shared-memory segment {_shown(handle.name)}: {exc}"
+                f"cannot map shared-memory segment {shown_name(handle.name)}: {exc}"
             ) from None
         finally:
             os.close(fd)
@@ -304,7 +304,7 @@ class _MappedBuffer:
 
     def view(self, used: int) -> torch.Tensor:
         segment = self._segment
-        return segment.tensor[: _check_used(segment.name, segment.size, used)]
+        return segment.tensor[: check_used(segment.name, segment.size, used)]
 
     def close(self) -> None:
         self._segment.close()
@@ -332,7 +332,7 @@ class ShmReceiverPlane(ReceiverPlane):
         max_buffers: int | None = None,
         max_bytes: int | None = None,
     ) -> None:
-        self._buffers: list[_MappedBuffer | _CopiedBuffer] = []
+        self._buffers: list[_MappedBuffer | CopiedFileBuffer] = []
         handles = spec.buffers
         if max_buffers is not None and len(handles) > max_buffers:
             raise AiosyncError(
@@ -340,7 +340,7 @@ class ShmReceiverPlane(ReceiverPlane):
                 f"{max_buffers}"
             )
         for handle in handles:
-            _check_size(handle.name, handle.size, max_bytes)
+            check_claimed_size(handle.name, handle.size, max_bytes)
         total = sum(handle.size for handle in handles)
         if max_bytes is not None and total > max_bytes:
             raise AiosyncError(
@@ -348,12 +348,12 @@ class ShmReceiverPlane(ReceiverPlane):
             )
         try:
             for handle in handles:
-                if isinstance(handle.name, str) and _MEMFD_NAME.fullmatch(handle.name):
+                if isinstance(handle.name, str) and MEMFD_NAME.fullmatch(handle.name):
                     segment = ShmSegment.attach(handle, max_size=max_bytes, writable=False)
                     self._buffers.append(_MappedBuffer(segment))
                 else:
                     fd, _ = open_segment(handle, max_size=max_bytes, writable=False)
-                    self._buffers.append(_CopiedBuffer(handle.name, handle.size, fd))
+                    self._buffers.append(CopiedFileBuffer(handle.name, handle.size, fd))
         except BaseException:
             self.close()
             raise
@@ -361,7 +361,7 @@ class ShmReceiverPlane(ReceiverPlane):
     def view(self, index: int, used: int, context: BucketContext | None = None) -> torch.Tensor:
         """The first ``used`` bytes of segment ``index`` (checked against its size)."""
         if not isinstance(index, int) or not 0 <= index < len(self._buffers):
-            raise AiosyncError(f"no shared-memory segment {_shown(index)} in this plane")
+            raise AiosyncError(f"no shared-memory segment {shown_name(index)} in this plane")
         return self._buffers[index].view(used)
 
     def close(self) -> None:

@@ -7,10 +7,10 @@ memfds cannot be made and sealed, or when ``AIOSYNC_SHM_BACKEND=file`` asks for 
 engine in another PID namespace that shares this ``/dev/shm``); they are also
 :meth:`~aiosync.planes.shm.ShmSegment.create`'s default. A file cannot be sealed, so an
 engine never maps one: :class:`~aiosync.planes.shm.ShmReceiverPlane` opens the name once
-(:func:`_open_file_segment`), read-only, relative to a descriptor of ``/dev/shm``, with
+(:func:`open_file_segment`), read-only, relative to a descriptor of ``/dev/shm``, with
 ``O_NOFOLLOW`` and without ``O_CREAT``, checks the descriptor (regular file, this user's,
 mode 0600, one link, the claimed size) and reads each bucket with ``preadv`` from that
-descriptor into its own buffer (:class:`_CopiedBuffer`), after checking the size again: a
+descriptor into its own buffer (:class:`CopiedFileBuffer`), after checking the size again: a
 file shrunk at any moment makes a short read and an :class:`AiosyncError`, never a SIGBUS.
 The price is one copy per bucket on the engine (about the cost of a memcpy) and the engine's
 own buffer per segment. :meth:`~aiosync.planes.shm.ShmSegment.attach` does map such a file
@@ -52,16 +52,19 @@ SHM_PREFIX = "aiosync-"
 
 MODE = 0o600
 # Bounded digit counts: a planted name can't make int() slow or os.kill overflow.
-_FILE_NAME = re.compile(r"aiosync-(\d{1,20})-(\d{1,10})-([0-9a-f]{16})")
+FILE_NAME = re.compile(r"aiosync-(\d{1,20})-(\d{1,10})-([0-9a-f]{16})")
+"""A segment file's name: its creator's PID namespace, pid and random token."""
 _SHOWN = 80  # characters of a peer-chosen name that an error repeats
 
 
-def _shown(name: object) -> str:
+def shown_name(name: object) -> str:
+    """A peer-chosen name as an error may repeat it: quoted, cut to 80 characters."""
     text = str(name)
     return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "...")
 
 
-def _open_directory(path: str | Path) -> int:
+def open_directory(path: str | Path) -> int:
+    """A descriptor of the directory ``path`` (never through a symbolic link), to open names in."""
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
@@ -80,12 +83,12 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """
     removed: list[str] = []
     try:
-        dirfd = _open_directory(shm_dir)
+        dirfd = open_directory(shm_dir)
     except OSError:
         return removed
     try:
         with os.scandir(dirfd) as entries:
-            for entry in dead_entries(entries, _FILE_NAME, stat.S_ISREG):
+            for entry in dead_entries(entries, FILE_NAME, stat.S_ISREG):
                 try:
                     # unlink never follows a symlink; /dev/shm is sticky, so no other user
                     # can swap our file for theirs between the look and here.
@@ -107,7 +110,8 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
-def _check_free(size: int, free: int | None, where: str) -> None:
+def check_free(size: int, free: int | None, where: str) -> None:
+    """Refuse a new segment of ``size`` bytes when ``where`` has only ``free`` (None: unknown)."""
     if free is not None and size > free:
         raise AiosyncError(
             f"cannot reserve {size} bytes of shared memory: {where} has {free} bytes free "
@@ -115,7 +119,7 @@ def _check_free(size: int, free: int | None, where: str) -> None:
         )
 
 
-def _reserve(fd: int, size: int, where: str, free: int | None) -> None:
+def reserve_segment(fd: int, size: int, where: str, free: int | None) -> None:
     """Size a new segment and take its memory now, so a lack of memory fails here.
 
     ``ftruncate`` alone leaves the file sparse: on a small ``/dev/shm`` (64 MiB in a
@@ -150,7 +154,7 @@ class _ReadOnlyRegion:
         }
 
 
-def _map(fd: int, size: int, *, writable: bool = True) -> torch.Tensor:
+def map_segment(fd: int, size: int, *, writable: bool = True) -> torch.Tensor:
     """Map ``size`` bytes of ``fd``, shared, as a flat ``uint8`` tensor.
 
     ``writable=False`` maps the pages ``PROT_READ`` only (``fd`` may then be opened
@@ -166,23 +170,23 @@ def _map(fd: int, size: int, *, writable: bool = True) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)
 
 
-def _create_file(size: int, stem: str) -> tuple[str, torch.Tensor]:
+def create_file_segment(size: int, stem: str) -> tuple[str, torch.Tensor]:
     """Make ``/dev/shm/aiosync-<stem>`` of ``size`` bytes, mapped; returns its name and view."""
     name = SHM_PREFIX + stem
     try:
-        dirfd = _open_directory(SHM_DIR)
+        dirfd = open_directory(SHM_DIR)
     except OSError as exc:
         raise AiosyncError(f"cannot open {SHM_DIR} as a directory: {exc.strerror}") from None
     try:
         vfs = os.fstatvfs(dirfd)
         free = vfs.f_bavail * vfs.f_frsize
-        _check_free(size, free, str(SHM_DIR))
+        check_free(size, free, str(SHM_DIR))
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(name, flags, MODE, dir_fd=dirfd)
         try:
             os.fchmod(fd, MODE)  # whatever the umask
-            _reserve(fd, size, str(SHM_DIR), free)
-            tensor = _map(fd, size)
+            reserve_segment(fd, size, str(SHM_DIR), free)
+            tensor = map_segment(fd, size)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=dirfd)
@@ -199,7 +203,8 @@ def _create_file(size: int, stem: str) -> tuple[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a descriptor that is not a regular file is, for an error (``"a directory"``)."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISLNK(mode):
@@ -213,25 +218,26 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _check_size(name: str, size: object, max_size: int | None) -> int:
+def check_claimed_size(name: str, size: object, max_size: int | None) -> int:
+    """The size a peer claims for segment ``name``: a positive integer, at most ``max_size``."""
     if not isinstance(size, int) or isinstance(size, bool):
-        raise AiosyncError(f"shared-memory segment {_shown(name)} has no integer size")
+        raise AiosyncError(f"shared-memory segment {shown_name(name)} has no integer size")
     if size <= 0:
-        raise AiosyncError(f"shared-memory segment {_shown(name)} claims {size} bytes")
+        raise AiosyncError(f"shared-memory segment {shown_name(name)} claims {size} bytes")
     if max_size is not None and size > max_size:
         raise AiosyncError(
-            f"shared-memory segment {_shown(name)} claims {size} bytes, over the limit of "
+            f"shared-memory segment {shown_name(name)} claims {size} bytes, over the limit of "
             f"{max_size}"
         )
     return size
 
 
-def _check_descriptor(fd: int, name: str, size: int, *, links: int | None) -> os.stat_result:
+def check_segment_descriptor(fd: int, name: str, size: int, *, links: int | None) -> os.stat_result:
     """Refuse anything but this user's regular file, mode 0600, of exactly ``size`` bytes."""
     info = os.fstat(fd)
-    shown = _shown(name)
+    shown = shown_name(name)
     if not stat.S_ISREG(info.st_mode):
-        raise AiosyncError(f"shared-memory segment {shown} is {_kind(info.st_mode)}")
+        raise AiosyncError(f"shared-memory segment {shown} is {file_kind(info.st_mode)}")
     uid = os.geteuid()
     if info.st_uid != uid:
         raise AiosyncError(
@@ -250,7 +256,7 @@ def _check_descriptor(fd: int, name: str, size: int, *, links: int | None) -> os
     return info
 
 
-def _check_allocated(info: os.stat_result, shown: str) -> None:
+def check_allocated(info: os.stat_result, shown: str) -> None:
     """Refuse a sparse segment: its holes would be filled from the engine's memory.
 
     A peer that only sized its file claims bytes it never took; reading them would make
@@ -264,11 +270,11 @@ def _check_allocated(info: os.stat_result, shown: str) -> None:
         )
 
 
-def _open_file_segment(name: str, size: int, *, writable: bool) -> int:
+def open_file_segment(name: str, size: int, *, writable: bool) -> int:
     """Open ``/dev/shm/<name>`` once, without following links or creating; checked."""
-    shown = _shown(name)
+    shown = shown_name(name)
     try:
-        dirfd = _open_directory(SHM_DIR)
+        dirfd = open_directory(SHM_DIR)
     except OSError as exc:
         raise AiosyncError(f"cannot open {SHM_DIR} as a directory: {exc.strerror}") from None
     try:
@@ -288,7 +294,7 @@ def _open_file_segment(name: str, size: int, *, writable: bool) -> int:
     finally:
         os.close(dirfd)
     try:
-        _check_allocated(_check_descriptor(fd, name, size, links=1), shown)
+        check_allocated(check_segment_descriptor(fd, name, size, links=1), shown)
     except BaseException:
         os.close(fd)
         raise
@@ -300,16 +306,17 @@ def _open_file_segment(name: str, size: int, *, writable: bool) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def _check_used(name: str, size: int, used: object) -> int:
+def check_used(name: str, size: int, used: object) -> int:
+    """The bytes a bucket uses of segment ``name``: an integer from 0 to its ``size``."""
     if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= size:
         raise AiosyncError(
-            f"a bucket of {_shown(used)} bytes does not fit shared-memory segment "
-            f"{_shown(name)} of {size}"
+            f"a bucket of {shown_name(used)} bytes does not fit shared-memory segment "
+            f"{shown_name(name)} of {size}"
         )
     return used
 
 
-class _CopiedBuffer:
+class CopiedFileBuffer:
     """A file in ``/dev/shm``, never mapped: each bucket is read into this engine's memory.
 
     A file can shrink at any moment; ``preadv`` then comes back short, which is an error
@@ -318,13 +325,14 @@ class _CopiedBuffer:
 
     def __init__(self, name: str, size: int, fd: int) -> None:
         self._name = name
-        self._shown = _shown(name)
+        self._shown = shown_name(name)
         self._size = size
         self._fd: int | None = fd
         self._copy: torch.Tensor | None = None
 
     def view(self, used: int) -> torch.Tensor:
-        used = _check_used(self._name, self._size, used)
+        """The first ``used`` bytes of the file, read now into this engine's buffer."""
+        used = check_used(self._name, self._size, used)
         if self._fd is None:
             raise AiosyncError(f"shared-memory segment {self._shown} is closed")
         try:
@@ -338,7 +346,7 @@ class _CopiedBuffer:
                 f"shared-memory segment {self._shown} now holds {actual.st_size} bytes, not "
                 f"{self._size}: its creator resized it"
             )
-        _check_allocated(actual, self._shown)
+        check_allocated(actual, self._shown)
         if self._copy is None:
             self._copy = torch.empty(self._size, dtype=torch.uint8)
         out = self._copy[:used]
@@ -360,6 +368,7 @@ class _CopiedBuffer:
         return out
 
     def close(self) -> None:
+        """Close the descriptor and drop the buffer; a later :meth:`view` raises."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)

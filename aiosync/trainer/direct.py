@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from aiosync.core.layout import _DTYPE_NAMES, calculate_aligned_size
+from aiosync.core.layout import DTYPE_NAMES, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta, module_tensors, unique_storage, visible_pairs
 from aiosync.core.planning import Planner, VersionSource, read_source
 from aiosync.planes.direct import DIRECT_BYTES, DirectPlan, DirectSenderPlane
@@ -230,7 +230,7 @@ class DirectReader:
         return _Kept(chosen, direct, packed, note, mark, owned)
 
     def _locate(self, tensor: torch.Tensor) -> Spot | str:
-        if _DTYPE_NAMES.get(tensor.dtype) is None:
+        if DTYPE_NAMES.get(tensor.dtype) is None:
             return "of a dtype that cannot be streamed"
         if tensor.nbytes == 0:
             return "empty"

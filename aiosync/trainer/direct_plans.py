@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from aiosync.core.layout import _DTYPE_NAMES, TensorSpec, calculate_aligned_size
+from aiosync.core.layout import DTYPE_NAMES, TensorSpec, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.wire import Region
 from aiosync.planes.direct import DIRECT_BYTES, MAX_OPEN_REGIONS, DirectPlan
@@ -116,7 +116,7 @@ def direct_plans(
             plan.regions.append(region)
             for name, tensor, offset in chunk:
                 nbytes = tensor.nbytes
-                meta = TensorMeta(name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
+                meta = TensorMeta(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
                 if first is not None:
                     plan.entries.append(first + len(metas))
                 metas.append(meta)
