@@ -9,7 +9,6 @@ from __future__ import annotations
 from benchmarks.shape import MAX_LINES, is_private, shape
 
 LONG_TODAY = {
-    "aiosync.channels.zmq_listener": 482,
     "aiosync.engine.receiver": 505,
     "aiosync.pipeline.fanout": 471,
     "aiosync.planes.collective": 418,

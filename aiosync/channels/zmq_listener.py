@@ -1,4 +1,4 @@
-"""The ROUTER side of the ZMQ channels: :class:`ZmqListener` and its :class:`RouterPeer`.
+"""The ROUTER side of the ZMQ channels: :class:`ZmqListener` (its peers: :mod:`.zmq_peer`).
 
 :class:`ZmqListener` binds a ROUTER and yields a channel per peer identity; its
 :meth:`~ZmqListener.accept` loop is also what delivers every peer's messages (and answers
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import shutil
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -46,12 +44,10 @@ from aiosync.channels.zmq_common import (
     zmq_error,
 )
 from aiosync.channels.zmq_owned import OwnedSockets, PrivateContext
+from aiosync.channels.zmq_peer import PEER_QUEUE as PEER_QUEUE
+from aiosync.channels.zmq_peer import RouterPeer as RouterPeer
+from aiosync.channels.zmq_peer import Throttled
 from aiosync.core.errors import PeerGoneError, UsageError, map_exceptions
-
-log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under before the split
-
-PEER_QUEUE = 256
-"""Messages buffered per peer of a listener; beyond that a peer's messages are dropped."""
 
 QUEUED_MESSAGES = 2
 """Largest messages' worth of bytes a peer may have held by a listener (queued, or read and
@@ -67,132 +63,6 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect (RF
 ZAP_DOMAIN = b"aiosync"
 
 _peer_numbers = itertools.count(1)
-
-
-class _Throttled:
-    """A warning logged at most once per ``every`` seconds, with a count of those held back.
-
-    Peers decide how often these happen; a flood of them must not flood the log.
-    """
-
-    def __init__(self, message: str, every: float = 10.0) -> None:
-        self._message = message
-        self._every = every
-        self._next = 0.0
-        self._held = 0
-
-    def __call__(self, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            self._held += 1
-            return
-        if self._held:
-            log.warning(self._message + " (and %d more since the last report)", *args, self._held)
-        else:
-            log.warning(self._message, *args)
-        self._next = now + self._every
-        self._held = 0
-
-
-class RouterPeer:
-    """One peer of a :class:`ZmqListener`: replies go out through the shared ROUTER."""
-
-    def __init__(
-        self,
-        listener: ZmqListener,
-        identity: bytes,
-        *,
-        delimited: bool,
-        name: str,
-        key: bytes | None = None,
-        max_bytes: int | None = None,
-    ) -> None:
-        self._listener = listener
-        self.identity = identity  # the ZMQ routing id: for addressing only, never shown
-        self.key = key  # the CURVE public key (Z85) it authenticated with; None: no CURVE
-        self.envelope = (identity, b"") if delimited else (identity,)
-        self._peer = name
-        self._tx, self._rx = anyio.create_memory_object_stream[bytes](PEER_QUEUE)
-        self._lost = anyio.Event()
-        self._dropped = False
-        self._overflow = _Throttled("%s sends faster than it is served; messages dropped")
-        self._max_bytes = max_bytes
-        self._held = 0  # bytes queued, and of the message last read until the next recv
-        self._last = 0
-        self.overflowed = 0  # messages dropped for a full queue
-
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes held for this peer: queued, and the message last read until the next recv.
-
-        A reader that hands each message on before it reads the next (as a receiver does)
-        is so held to ``max_bytes`` for everything of this peer's it has not served.
-        """
-        return self._held
-
-    @property
-    def peer(self) -> str:
-        """``peer-<n>``, numbered by the listener (unique in this process)."""
-        return self._peer
-
-    @property
-    def window(self) -> int | None:
-        """No limit."""
-        return None
-
-    @property
-    def lost(self) -> anyio.Event:
-        """Set when a reply finds the peer gone, or the peer was dropped for not reading."""
-        return self._lost
-
-    def deliver(self, payload: bytes) -> None:
-        """Queue a message from the peer; dropped (and logged) when the queue is full.
-
-        Full: ``PEER_QUEUE`` messages, or ``max_bytes`` held with this one.
-        """
-        try:
-            if self._max_bytes is not None and self._held + len(payload) > self._max_bytes:
-                raise anyio.WouldBlock
-            self._tx.send_nowait(payload)
-        except anyio.WouldBlock:
-            self.overflowed += 1
-            self._overflow(self._peer)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
-        else:
-            self._held += len(payload)
-
-    def end(self, *, dropped: bool) -> None:
-        """Mark the peer lost; ``dropped``: also discard what it sent and is not yet read."""
-        self._dropped = self._dropped or dropped
-        self._lost.set()
-        self._tx.close()  # a pending recv wakes up
-
-    async def send(self, payload: bytes) -> None:
-        """Reply without waiting; :class:`PeerGoneError` if the peer left or was dropped."""
-        if self._lost.is_set():
-            raise PeerGoneError("peer is gone", peer=self._peer)
-        await self._listener.send_to(self, payload)
-
-    async def recv(self) -> bytes:
-        """The next message the listener's accept loop delivered."""
-        if self._dropped:
-            raise PeerGoneError("peer was dropped", peer=self._peer)
-        self._held -= self._last  # the reader is done with the last one
-        self._last = 0
-        try:
-            payload = await self._rx.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise PeerGoneError("peer channel closed", peer=self._peer) from None
-        self._last = len(payload)
-        return payload
-
-    async def aclose(self) -> None:
-        """Forget the peer; a later message from the same identity makes a new channel."""
-        self._listener.forget(self)
-        self._tx.close()
-        self._rx.close()
-        self._held = self._last = 0
 
 
 def _remover(path: Path | None, directory: Path | None) -> Callable[[], None]:
@@ -249,9 +119,9 @@ class ZmqListener:
         self._dropped: OrderedDict[bytes, None] = OrderedDict()
         self._poller = zmq.asyncio.Poller()
         self._hwm = send_hwm
-        self._bad_frames = _Throttled("dropping a message of %d frames")
-        self._not_reading = _Throttled("%s does not read its replies (%d queued): dropped it")
-        self._refused = _Throttled("refused a %s client from %s (key %s is not allowed)")
+        self._bad_frames = Throttled("dropping a message of %d frames")
+        self._not_reading = Throttled("%s does not read its replies (%d queued): dropped it")
+        self._refused = Throttled("refused a %s client from %s (key %s is not allowed)")
         try:
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
