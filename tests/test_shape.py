@@ -10,7 +10,6 @@ from benchmarks.shape import MAX_LINES, is_private, shape
 
 LONG_TODAY = {
     "aiosync.engine.receiver": 505,
-    "aiosync.pipeline.fanout": 471,
     "aiosync.planes.collective": 418,
     "aiosync.server.server": 432,
     "aiosync.trainer.sender": 477,

@@ -3,20 +3,21 @@
 A packer fills a free buffer (in a worker thread, with the planning and message encoding of
 that bucket; bucket 1 may come packed already, from the thread that read the version, and
 is then encoded after the begin left) and publishes it; per engine, a send task sends each
-bucket message and an ack task matches the engine's acks. A buffer is free again once
-every live engine acked it (the :class:`~aiosync.pipeline.ledger.BufferLedger`), so the
-ring of buffers is the backpressure: with ``N`` buffers at most ``N`` buckets are in
-flight, to every engine at once. Once the last bucket went out, a ``tail`` (if given)
-sends each live engine's closing messages at once, before its acks are in and before the
-plane's ``drain`` (the stream's end, see ``StreamRun``). With an ``opening`` (the engines
-checking a begin sent apart), bucket 1 is packed meanwhile and goes out only once the
-opening ended with the version still possible.
+bucket message and an ack task matches the engine's acks (:mod:`.fanout_links`). A buffer
+is free again once every live engine acked it (the
+:class:`~aiosync.pipeline.ledger.BufferLedger`), so the ring of buffers is the
+backpressure: with ``N`` buffers at most ``N`` buckets are in flight, to every engine at
+once. Once the last bucket went out, a ``tail`` (if given) sends each live engine's closing
+messages at once, before its acks are in and before the plane's ``drain`` (the stream's
+end, see ``StreamRun``). With an ``opening`` (the engines checking a begin sent apart),
+bucket 1 is packed meanwhile and goes out only once the opening ended with the version
+still possible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -24,34 +25,23 @@ import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream as Receiving
 from anyio.streams.memory import MemoryObjectSendStream as Sending
 
-from aiosync.core.errors import AiosyncError, MismatchError, SyncTimeoutError
+from aiosync.core.errors import MismatchError, SyncTimeoutError
 from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.trainer_session import FleetVote
 from aiosync.core.wire import Bucket, Slot, encode
 from aiosync.pipeline.ahead import FIRST_BUFFER, PackedAhead, next_plan, pack_plan
+from aiosync.pipeline.fanout_links import BEGIN as BEGIN
+from aiosync.pipeline.fanout_links import LinkStages, PackedBucket
 from aiosync.pipeline.ledger import BufferLedger
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import SyncProgress
 from aiosync.pipeline.version_spec import VersionSpec
 from aiosync.planes.base import DirectPlan, SenderPlane, regions_of
 
-BEGIN = -1
-"""The buffer index of the ``begin`` message when it travels in a link's send queue."""
+_Packed = PackedBucket  # the name it had before the split
 
 Guard = Callable[..., Coroutine[Any, Any, None]]
 """Runs one engine's step inside a task group; its failure goes to the fleet's vote."""
-
-
-@dataclass(frozen=True)
-class _Packed:
-    seq: int
-    index: int
-    payload: bytes
-    plan: BucketPlan
-    tensors: int = 0  # whole tensors and last chunks (counted in the packing thread)
-    nbytes: int = 0  # tensor bytes carried
-    direct: bool = False  # read by engines in the trainer's memory (direct mode)
-    sent: bool = False  # went out before the read (pipeline.early_begin): acks only
 
 
 class EarlyBucketMismatch(MismatchError):
@@ -101,7 +91,7 @@ def kept_first_payload(
     return bucket_payload(version, 1, index, plan, plan.slots, None if as_read else after)
 
 
-class BucketFanout:
+class BucketFanout(LinkStages):
     """One version's (``spec``'s) buckets through ``plane`` to the live engines of ``vote``.
 
     ``spec.manifest`` is the one the begin carried; ``spec.first`` is not read (bucket 1
@@ -141,15 +131,6 @@ class BucketFanout:
         self.direct_bytes = 0  # of ``acked``, read in place (direct mode)
         self._direct_sent = False  # then the trainer's tensors are read until the commit
 
-    @property
-    def _follow(self) -> bool:
-        """A collective plane's: every engine of the group joins every broadcast.
-
-        So one that refuses is still sent the version's buckets (it drops them) and its
-        refusal is counted, not raised: the others complete (``_following`` names them).
-        """
-        return self.plane.joins_all
-
     async def run(
         self,
         plans: Iterator[BucketPlan],
@@ -171,11 +152,11 @@ class BucketFanout:
         free_tx, free_rx = anyio.create_memory_object_stream[int](count)
         for index in range(count):
             free_tx.send_nowait(index)
-        ledger: BufferLedger[_Packed] = BufferLedger()
-        outboxes: dict[str, Sending[_Packed]] = {}
+        ledger: BufferLedger[PackedBucket] = BufferLedger()
+        outboxes: dict[str, Sending[PackedBucket]] = {}
         async with free_tx, free_rx, anyio.create_task_group() as tg:
             for name in self.vote.live:
-                tx, rx = anyio.create_memory_object_stream[_Packed](count)
+                tx, rx = anyio.create_memory_object_stream[PackedBucket](count)
                 outboxes[name] = tx
                 link = self.links[name]
                 tg.start_soon(self._guard, tg, link, self._link_stage, rx, ledger, free_tx, begin)
@@ -205,8 +186,8 @@ class BucketFanout:
         self,
         plans: Iterator[BucketPlan],
         ring: tuple[Sending[int], Receiving[int]],
-        ledger: BufferLedger[_Packed],
-        outboxes: dict[str, Sending[_Packed]],
+        ledger: BufferLedger[PackedBucket],
+        outboxes: dict[str, Sending[PackedBucket]],
         first: PackedAhead | None,
     ) -> None:
         freed, free = ring
@@ -216,7 +197,7 @@ class BucketFanout:
                     index = free.receive_nowait()
                 except anyio.WouldBlock:
                     index = await self._free_buffer(free)
-                packed: _Packed | None
+                packed: PackedBucket | None
                 if first is not None and first.plan is not None:  # packed as it was read
                     assert index == FIRST_BUFFER, "every buffer is free when a version starts"
                     packed = await self._encoded(first.plan, index)
@@ -248,7 +229,7 @@ class BucketFanout:
             for outbox in outboxes.values():
                 outbox.close()
 
-    def _confirmed_first(self, packed: _Packed | None) -> _Packed:
+    def _confirmed_first(self, packed: PackedBucket | None) -> PackedBucket:
         """Bucket 1 as read, marked sent: it must be the very message sent before the read.
 
         (The sender sends it early only where the read reuses the same plan; this is the
@@ -275,7 +256,7 @@ class BucketFanout:
             f"no buffer freed within {2 * self.timeout:g}s by {held}", version=self.version
         )
 
-    async def _end_packing(self, outboxes: dict[str, Sending[_Packed]]) -> None:
+    async def _end_packing(self, outboxes: dict[str, Sending[PackedBucket]]) -> None:
         """Every bucket is packed: the links' closing messages go, then the trainer goes on.
 
         The links' queues close (each sends its closing messages), the plane's sends are
@@ -291,7 +272,7 @@ class BucketFanout:
         if self.packed is not None and not self._direct_sent:
             self.packed.set()  # the trainer may change its tensors again
 
-    def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> _Packed | None:
+    def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> PackedBucket | None:
         """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""
         plan = next_plan(plans, self.version)
         if plan is None:
@@ -302,7 +283,7 @@ class BucketFanout:
             self.plane.queue(index)
         return packed
 
-    async def _encoded(self, plan: BucketPlan, ring: int) -> _Packed:
+    async def _encoded(self, plan: BucketPlan, ring: int) -> PackedBucket:
         """Bucket 1, packed already: its message encoded after the begin left.
 
         On the loop where the planner knew the manifest's entries (a few slots to make);
@@ -313,7 +294,7 @@ class BucketFanout:
             return await anyio.to_thread.run_sync(self._packed, plan, ring)
         return self._packed(plan, ring)
 
-    def _packed(self, plan: BucketPlan, ring: int) -> _Packed:
+    def _packed(self, plan: BucketPlan, ring: int) -> PackedBucket:
         """A packed bucket counted and its message encoded (``ring``: the buffer it took)."""
         index = ring  # the buffer the message names: the ring's, or a direct plan's
         self.sent_buckets += 1
@@ -336,7 +317,7 @@ class BucketFanout:
             payload = bucket_payload(self.version, seq, index, plan, slots)
         else:
             payload = bucket_payload(self.version, seq, index, plan, None)
-        return _Packed(seq, ring, payload, plan, tensors, plan.payload_bytes, direct)
+        return PackedBucket(seq, ring, payload, plan, tensors, plan.payload_bytes, direct)
 
     def _slot(self, spec: TensorSpec) -> Slot:
         if self._entries is None:
@@ -345,127 +326,3 @@ class BucketFanout:
         if entry is None:
             raise MismatchError("tensor is not in the version's manifest", tensor=spec.name)
         return Slot(entry, spec.offset, spec.nbytes, spec.start)
-
-    async def _link_stage(
-        self,
-        link: EngineLink,
-        outbox: Receiving[_Packed],
-        ledger: BufferLedger[_Packed],
-        free: Sending[int],
-        begin: bytes | None,
-    ) -> None:
-        """Send every bucket to one engine and match its acks; gone: release its buffers.
-
-        With ``begin``, the stream opens here (or opened already, the ``begin`` sent, for a
-        fanout made with ``begun``), and the ack of the begin is the first awaited.
-        """
-        inflight_tx, inflight_rx = anyio.create_memory_object_stream[_Packed](self.plane.count + 1)
-        try:
-            if begin is not None:  # sent already with ``begun``: only its ack is due
-                if not self._begun:
-                    self._open(link)
-                head = _Packed(0, BEGIN, begin, BucketPlan(), sent=self._begun)
-                await self._send_one(link, head, inflight_tx)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._send_loop, link, outbox, inflight_tx)
-                await self._ack_loop(link, inflight_rx, ledger, free)
-            if link.name in self._following:  # its refusals were all read: the stream ends
-                link.session.failed()
-        except BaseException:
-            for index, done in ledger.drop(link.name):
-                self._bucket_done(done)
-                free.send_nowait(index)
-            raise
-
-    def _open(self, link: EngineLink) -> None:
-        """Open ``link``'s stream, even one a collective plane's engine will refuse.
-
-        That engine still gets the version: it refuses it itself, then joins and drops
-        each bucket's broadcast.
-        """
-        try:
-            link.session.begin(self.version, rebase=self._rebase)
-        except AiosyncError as exc:
-            if not self._follow:
-                raise
-            self._refused(link, exc)
-            link.session.follow(self.version)
-
-    def _refused(self, link: EngineLink, refusal: AiosyncError) -> None:
-        """A collective plane's engine refused: the vote hears it; it keeps joining."""
-        if link.name not in self._following:
-            self._following.append(link.name)
-            self.vote.fail(link.name, refusal)
-
-    async def _send_loop(
-        self,
-        link: EngineLink,
-        outbox: Receiving[_Packed],
-        inflight: Sending[_Packed],
-    ) -> None:
-        async with outbox, inflight:
-            async for packed in outbox:
-                await self._send_one(link, packed, inflight)
-            if self._tail is not None and self.finished:  # not after a failed packing
-                await self._tail(link)
-
-    async def _send_one(
-        self, link: EngineLink, packed: _Packed, inflight: Sending[_Packed]
-    ) -> None:
-        if packed.sent:  # before the read (pipeline.early_begin): only its ack is due
-            inflight.send_nowait(packed)
-            return
-        tensor = packed.plan.first_name
-        if link.window is not None:
-            with anyio.move_on_after(self.timeout) as scope:
-                await link.window.acquire()
-            if scope.cancelled_caught:
-                raise link.timeout_error("ack freeing a send slot", self.version, tensor)
-        await link.send(packed.payload, "a bucket", self.version, tensor)
-        link.session.sent(packed.seq)
-        try:
-            inflight.send_nowait(packed)
-        except anyio.BrokenResourceError:  # the ack loop ended: raise its cancellation
-            await anyio.lowlevel.checkpoint()  # (a zmq send done at once did not check)
-            raise
-
-    async def _ack_loop(
-        self,
-        link: EngineLink,
-        inflight: Receiving[_Packed],
-        ledger: BufferLedger[_Packed],
-        free: Sending[int],
-    ) -> None:
-        async with inflight:
-            async for packed in inflight:
-                tensor = packed.plan.first_name
-                ack = await link.recv_ack("ack for a bucket", self.version, tensor)
-                if link.window is not None:
-                    link.window.release()
-                if not ack.ok and link.name not in self._following:
-                    refusal = link.refusal(ack, "bucket" if packed.index != BEGIN else "version")
-                    if not self._follow:
-                        raise refusal
-                    self._refused(link, refusal)
-                if packed.index == BEGIN:
-                    continue
-                if not packed.direct:
-                    self.plane.consumed(packed.index, link.events)  # reuse waits for its event
-                done = ledger.release(packed.index, link.name)
-                if done is not None:
-                    self._bucket_done(done)
-                    free.send_nowait(packed.index)
-
-    def _bucket_done(self, packed: _Packed) -> None:
-        """Count an acked bucket (from figures the packing thread took: no per-tensor work)."""
-        done = self.acked
-        if packed.direct:
-            self.direct_bytes += packed.nbytes
-        self.acked = SyncProgress(
-            self.version,
-            done.buckets + 1,
-            done.tensors + packed.tensors,
-            done.bytes + packed.nbytes,
-        )
-        if self.progress is not None:
-            self.progress(self.acked)
