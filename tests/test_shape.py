@@ -9,10 +9,8 @@ from __future__ import annotations
 from benchmarks.shape import MAX_LINES, is_private, shape
 
 LONG_TODAY = {
-    "aiosync.engine.receiver": 505,
     "aiosync.planes.collective": 418,
     "aiosync.server.server": 432,
-    "aiosync.trainer.sender": 477,
 }
 """The modules still over the bound, each with its line count when listed: only to shrink."""
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
@@ -39,8 +37,7 @@ from aiosync.core.layout import MAX_BUCKET_ITEMS, calculate_aligned_size
 from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.manifest import TensorMeta, visible_pairs
 from aiosync.core.planning import VersionSource, read_source
-from aiosync.core.trainer_session import LinkSession, Policy
-from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
+from aiosync.core.trainer_session import Policy
 from aiosync.pipeline.ahead import FIRST_BUFFER, read_ahead, read_here
 from aiosync.pipeline.early_begin import EarlyBegin, begin_early
 from aiosync.pipeline.fanout import EarlyBucketMismatch
@@ -53,14 +50,12 @@ from aiosync.planes.direct import DirectSenderPlane
 from aiosync.runtime import require_asyncio, unwrap_group
 from aiosync.trainer.config import SenderConfig as SenderConfig
 from aiosync.trainer.direct import DirectReader
+from aiosync.trainer.fleet import EngineFleet
+from aiosync.trainer.fleet import Target as Target
 from aiosync.trainer.snapshot import snapshot_check
 
 log = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT = 1.0  # seconds a closing sender waits for each goodbye to be acknowledged
-
-Target = str | Channel
-"""An engine to reach: an endpoint to connect to (``ipc://`` or ``tcp://``) or a channel."""
 Manifest = Sequence[TensorMeta] | Mapping[str, torch.Tensor]
 
 
@@ -71,7 +66,7 @@ class _Options:
     packed: anyio.Event | None
 
 
-class WeightSender:
+class WeightSender(EngineFleet):
     """Streams named tensors to any number of engines, one version at a time.
 
     ``engines`` are the engines to reach at entry (more may be added with
@@ -111,29 +106,6 @@ class WeightSender:
         # whose begin goes before the read (pipeline.early_begin)
         self._begun_with: list[TensorMeta] | None = None
         self._first_early = True  # a kept direct bucket 1 may go with that begin
-
-    @property
-    def engines(self) -> list[str]:
-        """The engines of the fleet now, by name."""
-        return list(self._links)
-
-    @property
-    def remote_versions(self) -> dict[str, int | None]:
-        """Each engine's current version as last confirmed to this sender."""
-        return {name: link.session.remote_version for name, link in self._links.items()}
-
-    @property
-    def remote_version(self) -> int | None:
-        """The oldest version any engine holds (None if one holds none)."""
-        versions = list(self.remote_versions.values())
-        if not versions or any(v is None for v in versions):
-            return None
-        return min(v for v in versions if v is not None)
-
-    @property
-    def peer(self) -> str:
-        """The engines' names, for messages."""
-        return ", ".join(self._links) or "no engine"
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -181,79 +153,6 @@ class WeightSender:
     async def _stop_tasks(self) -> None:
         if self._tasks is not None:
             self._tasks.cancel_scope.cancel()
-
-    async def _say_goodbyes(self) -> None:
-        with anyio.CancelScope(shield=True):
-            for name in list(self._links):
-                await self.remove_engine(name)
-
-    async def add_engine(self, target: Target) -> str:
-        """Open a session with one more engine (between versions); returns its name."""
-        if self._plane is None or self._tasks is None:
-            raise UsageError("sender is not open; use 'async with WeightSender(...)'")
-        if self._sending:
-            raise UsageError("engines may be added only between versions")
-        if isinstance(target, str):
-            from aiosync.channels.zmq import ZmqChannel
-
-            channel: Channel = ZmqChannel.connect(target, auth=self._auth)
-            owned = True
-        else:
-            channel, owned = target, False
-        name = channel.peer
-        if name in self._links:
-            name = f"{name}#{len(self._links)}"
-        link = EngineLink(channel, LinkSession(name, uuid.uuid4().hex), self.config.timeout)
-        spec, link.counter_word = self._plane.spec_for_link()  # a counter word each (CUDA)
-        hello = link.session.hello(self.config.name or f"pid-{os.getpid()}", spec)
-        try:
-            ready = await link.handshake(hello)
-        except BaseException:
-            if owned:
-                await channel.aclose()
-            raise
-        self._links[name] = link
-        if owned:
-            self._owned[name] = channel
-        if channel.window is None:  # a REQ socket must not send unasked
-            scope = anyio.CancelScope()
-            self._keepalives[name] = scope
-            self._tasks.start_soon(self._keep_alive, link, scope)
-        log.info("session open with %s (engine at version %s)", name, ready.version)
-        return name
-
-    async def remove_engine(self, name: str) -> None:
-        """Say goodbye to one engine and close its channel (between versions)."""
-        if self._sending:
-            raise UsageError("engines may be removed only between versions")
-        link = self._links.pop(name, None)
-        if link is None:
-            raise UsageError(f"no engine {name!r} in this sender's fleet")
-        scope = self._keepalives.pop(name, None)
-        if scope is not None:
-            scope.cancel()
-        if link.broken is None:
-            with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
-                try:
-                    await _goodbye(link)
-                except AiosyncError as exc:
-                    log.info("goodbye to %s failed: %s", name, exc)
-        channel = self._owned.pop(name, None)
-        if channel is not None:
-            await channel.aclose()
-
-    async def _keep_alive(self, link: EngineLink, scope: anyio.CancelScope) -> None:
-        """Tell the engine, every ``keepalive`` seconds, that this session is alive."""
-        ping = encode(Ping(session=link.session.session))
-        with scope:
-            while link.broken is None:
-                await anyio.sleep(self.config.keepalive)
-                with anyio.move_on_after(self.config.timeout):
-                    try:
-                        await link.channel.send(ping)
-                    except AiosyncError as exc:  # never let a keepalive take the session down
-                        log.warning("keepalive to %s failed: %s", link.name, exc)
-                        return
 
     # --- sending ----------------------------------------------------------------------
 
@@ -457,21 +356,3 @@ class WeightSender:
     def _may_read_here(self, manifest: Manifest | None) -> bool:
         """Whether a direct read may run on the loop: no manifest given, no snapshot check."""
         return manifest is None and not self.config.check_snapshot
-
-    async def _drop_broken(self) -> None:
-        """Engines whose session broke leave the fleet; they are kept in ``lost_engines``."""
-        for name, link in list(self._links.items()):
-            if link.broken is not None:
-                log.warning("engine %s leaves the fleet: %s", name, link.broken)
-                self.lost_engines[name] = link.broken
-                with anyio.CancelScope(shield=True):
-                    await self.remove_engine(name)
-
-
-async def _goodbye(link: EngineLink) -> None:
-    """Close the session and wait for its ack, skipping acks of abandoned streams."""
-    await link.channel.send(encode(Goodbye(session=link.session.session)))
-    while True:
-        reply = decode(await link.channel.recv())
-        if isinstance(reply, Ack) and reply.seq == GOODBYE_SEQ:
-            return
