@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from benchmarks.shape import MAX_LINES, is_private, shape
 
-LONG_TODAY = {
-    "aiosync.planes.collective": 418,
-    "aiosync.server.server": 432,
-}
+LONG_TODAY: dict[str, int] = {}
 """The modules still over the bound, each with its line count when listed: only to shrink."""
 
 PUBLIC_API = {

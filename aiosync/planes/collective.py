@@ -39,8 +39,6 @@ import concurrent.futures
 import functools
 import logging
 import uuid
-import warnings
-from dataclasses import InitVar, dataclass
 from typing import Any
 
 import anyio
@@ -50,26 +48,14 @@ import torch
 from aiosync.collectives import ops
 from aiosync.collectives.executor import Deadline, GroupExecutor
 from aiosync.collectives.ordered import OrderedBroadcasts
-from aiosync.collectives.rendezvous import LOOPBACK, interface_address, valid_host
+from aiosync.collectives.rendezvous import interface_address
 from aiosync.core.errors import PeerGoneError, SyncTimeoutError, UsageError
 from aiosync.core.layout import BucketPlan, is_plain, pack_bucket, tensor_bytes
 from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.planes.base import SenderPlane
-from aiosync.planes.collective_meeting import (
-    RENDEZVOUS,
-    Rendezvous,
-    TrainerMeeting,
-    file_rendezvous,
-    forgetting,
-)
-from aiosync.planes.collective_receiver import (
-    BACKENDS,
-    MAX_TIMEOUT_MS,
-    MAX_WORLD,
-    CollectiveReceiverPlane,
-    check_spec,
-    joined_group,
-)
+from aiosync.planes.collective_meeting import TrainerMeeting, file_rendezvous, forgetting
+from aiosync.planes.collective_options import CollectiveOptions
+from aiosync.planes.collective_receiver import CollectiveReceiverPlane, check_spec, joined_group
 from aiosync.planes.cuda_copies import DeviceCopies, plain_jobs
 
 log = logging.getLogger(__name__)
@@ -80,55 +66,6 @@ __all__ = [
     "CollectiveSenderPlane",
     "check_spec",
 ]
-
-
-@dataclass(frozen=True)
-class CollectiveOptions:
-    """How a trainer broadcasts buckets to ``engines`` engine ranks (world size 1 + that).
-
-    ``backend``: ``"nccl"`` or ``"gloo"`` (default: NCCL for a CUDA device, else Gloo).
-    The rendezvous store listens on ``host`` (an IP address, loopback by default) or on
-    the address of network interface ``interface``. ``per_tensor``: one broadcast per
-    tensor instead of one per packed bucket. ``timeout`` (seconds) bounds the rendezvous
-    and each broadcast. Over NCCL, engines always copy bucket k into their model while
-    they receive bucket k + 1 (their sinks wait for the GPU once, at commit, as with the
-    CUDA IPC plane's events). ``overlap=`` is deprecated: it changes nothing and warns.
-
-    ``rendezvous``: where the ranks meet. ``"auto"`` (default): a private file on this
-    host when the store would listen on loopback (no other user can open it), else a
-    ``TCPStore`` on ``host`` / ``interface``. ``"file"``: the file (this host only);
-    ``"tcp"``: the ``TCPStore`` even on loopback (engines of another user, or in another
-    container sharing the network but not ``/tmp``). Either way every engine rank proves
-    the secret of its own session before any weight is broadcast (docs/security.md).
-    """
-
-    engines: int
-    backend: str | None = None
-    host: str = LOOPBACK
-    interface: str | None = None
-    per_tensor: bool = False
-    timeout: float = 60.0
-    overlap: InitVar[bool | None] = None
-    rendezvous: Rendezvous = "auto"
-
-    def __post_init__(self, overlap: bool | None) -> None:
-        if overlap is not None:
-            warnings.warn(
-                "CollectiveOptions(overlap=...) is deprecated and changes nothing: over NCCL, "
-                "engines always copy a bucket out while they receive the next",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-        if not 1 <= self.engines < MAX_WORLD:
-            raise ValueError(f"engines must be in [1, {MAX_WORLD}), got {self.engines}")
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not 0 < self.timeout * 1000 <= MAX_TIMEOUT_MS:
-            raise ValueError(f"timeout must be positive and at most a day, got {self.timeout}")
-        valid_host(self.host)
-        if self.rendezvous not in RENDEZVOUS:
-            raise ValueError(f"rendezvous must be one of {RENDEZVOUS}, got {self.rendezvous!r}")
-        file_rendezvous(self.rendezvous, self.host, self.interface)
 
 
 class CollectiveSenderPlane(SenderPlane):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from contextlib import AsyncExitStack, suppress
 from types import TracebackType
 from typing import Any
@@ -41,7 +40,7 @@ from aiosync.planes.shm import ShmSegment
 from aiosync.runtime import require_asyncio
 from aiosync.server.admission import admit
 from aiosync.server.config import ServerConfig
-from aiosync.server.feed import counter, feed_version, gone_while_idle, is_refusal, retried
+from aiosync.server.feeds import SubscriberFeeds
 from aiosync.server.fleet import FleetBook, SubscriberState, subscription_problem
 from aiosync.server.probe import HELLO_BOUND, probe, probe_segment
 from aiosync.server.relay import Relay, RelayDesk
@@ -54,7 +53,7 @@ REPLY_TIMEOUT = 10.0
 CONTROLS_PER_SUBSCRIBER = 4  # control channels open at once, per subscriber allowed
 
 
-class WeightServer:
+class WeightServer(SubscriberFeeds):
     """Retains published versions in shared memory and streams them to subscribers.
 
     Use as ``async with``, entered and left in one task. Leaving it (or cancelling its
@@ -147,12 +146,6 @@ class WeightServer:
                 await self._changed.wait()
             return self.status()
         raise SyncTimeoutError(f"no {what} within {timeout:g}s ({self.status()})")
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-        if self.metrics is not None:
-            self.metrics.update(self.fleet, self.store.held_bytes)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -366,67 +359,3 @@ class WeightServer:
         sender = self.config.name or f"server-{os.getpid()}"
         wait = min(self.config.timeout, HELLO_BOUND)
         return await probe(channel, name, self._probe, sender=sender, timeout=wait)
-
-    # --- feeding one subscriber -------------------------------------------------------
-
-    async def _feed(self, state: SubscriberState, channel: Channel, control: Channel) -> None:
-        """Send ``state`` each version it should have, until its receiver is gone."""
-        sender = self.config.name or f"server-{os.getpid()}"
-        refused: int | None = None
-        try:
-            while not channel.lost.is_set():
-                target = self.fleet.next_version(state.name, self.store.versions)
-                if target is not None and not state.transfers:  # late_join counts from here
-                    self._begun.setdefault(state.name, time.perf_counter())
-                retained = None if target in (None, refused) else self.store.pin(target)
-                if retained is None:
-                    if await gone_while_idle(self._changed, channel):
-                        return
-                    continue
-                started = time.perf_counter()
-                try:
-                    done = await feed_version(
-                        channel,
-                        state,
-                        retained,
-                        sender=sender,
-                        timeout=self.config.timeout,
-                        window=self.config.window,
-                        counted=counter(state, self.metrics),
-                    )
-                except AiosyncError as exc:
-                    if await retried(exc, channel):  # busy: the same version, a moment later
-                        continue
-                    state.last_error = str(exc)
-                    log.warning("transfer to %s failed: %s", state.name, exc)
-                    if self.metrics is not None:
-                        self.metrics.failures.inc()
-                    if channel.lost.is_set() or not is_refusal(exc):
-                        return
-                    refused = retained.version  # not again: wait for a newer one
-                    continue
-                finally:
-                    self.store.unpin(retained.version)
-                self._served(state, done.version, done.buckets_sent, started)
-        finally:
-            self.fleet.remove(state.name)
-            self._begun.pop(state.name, None)
-            if self.metrics is not None:
-                self.metrics.forget([state.name])
-            self._notify()
-            with anyio.CancelScope(shield=True):
-                await channel.aclose()
-                await control.aclose()  # ends its control loop too
-            log.info("subscriber %s left", state.name)
-
-    def _served(
-        self, state: SubscriberState, version: int | None, buckets: int, began: float
-    ) -> None:
-        state.version, state.transfers = version, state.transfers + 1
-        if self.metrics is not None and buckets:  # bytes are counted as they go
-            self.metrics.served.inc()
-            self.metrics.latency.labels("transfer").observe(time.perf_counter() - began)
-            joined = self._begun.pop(state.name, None)
-            if joined is not None:
-                self.metrics.latency.labels("late_join").observe(time.perf_counter() - joined)
-        self._notify()
