@@ -28,6 +28,10 @@ class Channel(Protocol):
     def lost(self) -> anyio.Event:
         """Set once the peer is known to be gone (its process died or it disconnected)."""
 
+    @property
+    def key(self) -> bytes | None:
+        """The CURVE public key (Z85) the peer authenticated with; None without CURVE."""
+
     async def send(self, payload: bytes) -> None:
         """Send one message; :class:`~aiosync.core.errors.PeerGoneError` if the peer left."""
 
@@ -47,6 +51,10 @@ class Listener(Protocol):
 
     async def accept(self) -> Channel:
         """The channel of the next new peer."""
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of its peers' messages held here, not yet served."""
 
     async def aclose(self) -> None:
         """Stop listening and close every channel handed out (idempotent)."""

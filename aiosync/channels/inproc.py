@@ -40,6 +40,11 @@ class InprocChannel:
         return self._peer
 
     @property
+    def key(self) -> bytes | None:
+        """None: no CURVE in one process."""
+        return None
+
+    @property
     def window(self) -> int | None:
         """No limit unless made with one."""
         return self._window
@@ -102,6 +107,11 @@ class InprocListener:
         mine, theirs = inproc_pair(self._name, window)
         self._tx.send_nowait(theirs)
         return mine
+
+    @property
+    def queued_bytes(self) -> int:
+        """0: an in-process channel's queue is bounded by its window, not counted here."""
+        return 0
 
     async def accept(self) -> InprocChannel:
         """The next connected peer's channel."""

@@ -156,6 +156,11 @@ class ZmqChannel:
         return self._endpoint
 
     @property
+    def key(self) -> bytes | None:
+        """None: this side connected, so the peer is the bound side, known by its address."""
+        return None
+
+    @property
     def window(self) -> int | None:
         """1 for a REQ socket, else None."""
         return self._window

@@ -200,8 +200,8 @@ class WeightReceiver(ReceiverReads):
 
     def _key_of(self, peer: Peer) -> bytes | None:
         """The CURVE key ``peer``'s channel came with (None: no CURVE)."""
-        key = getattr(self._channels.get(peer), "key", None)
-        return key if isinstance(key, bytes) else None
+        channel = self._channels.get(peer)
+        return None if channel is None else channel.key
 
     # --- the loops --------------------------------------------------------------------
 

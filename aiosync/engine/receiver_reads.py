@@ -91,8 +91,8 @@ class ReceiverReads:
     @property
     def holding(self) -> Holding:
         """What this receiver holds for its peers now: bytes queued, manifests kept."""
-        queued = getattr(self._listener, "queued_bytes", 0)
-        return holding(self._session, self._messages, queued if isinstance(queued, int) else 0)
+        queued = 0 if self._listener is None else self._listener.queued_bytes
+        return holding(self._session, self._messages, queued)
 
     @property
     def streaming(self) -> str | None:

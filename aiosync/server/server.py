@@ -250,7 +250,7 @@ class WeightServer(SubscriberFeeds):
     async def _control(self, channel: Channel) -> None:
         """Serve one client's requests in order; a malformed one ends its channel."""
         most = CONTROLS_PER_SUBSCRIBER * self.config.max_subscribers
-        who = holder(channel.peer, getattr(channel, "key", None))
+        who = holder(channel.peer, channel.key)
         over = over_share(self._holders.values(), who, half_of(most))
         if len(self._controls) >= most or over is not None:
             await self._reply(channel, m.Refused(f"too many control channels ({over or most})"))
@@ -272,7 +272,7 @@ class WeightServer(SubscriberFeeds):
                     log.warning("control peer %s sent garbage: %s", channel.peer, exc)
                     await self._reply(channel, m.Refused(str(exc)))
                     return
-                refusal = self._keys.roles.refusal(request, getattr(channel, "key", None))
+                refusal = self._keys.roles.refusal(request, channel.key)
                 if refusal is not None:
                     await self._reply(channel, m.Refused(refusal))
                     continue
