@@ -41,6 +41,7 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+import anyio
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,8 +241,6 @@ def engine(device: str) -> None:
         config = ReceiverConfig(session_timeout=QUIET, stream_timeout=QUIET)
         async with WeightReceiver(sink, config=config, on_commit=committed) as receiver:
             emit("ready", endpoint=receiver.endpoint)
-            import anyio
-
             await anyio.sleep_forever()
 
     trace.install()  # before the receiver starts a thread
