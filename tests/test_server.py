@@ -196,7 +196,7 @@ async def test_hostile_values_in_well_formed_requests_leave_the_server_serving()
             m.Wait(nan),  # clamped to 0: answered at once
             m.Wait(float("inf"), version=-(2**62), engines=["x" * 5000] * 100),  # max_wait
             m.Pull(None, nan),
-            m.Get(2**62, -1),
+            m.Get(2**62, -1, -(2**62), 2**62),  # a range: issue 29
             m.Fetch(-1),
             m.Follow(),
         ):

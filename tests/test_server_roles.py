@@ -155,7 +155,7 @@ async def test_a_publisher_key_cannot_subscribe_but_may_ask_for_status(keys: Key
             async with WeightReceiver(ModuleSink(empty())) as receiver:
                 with pytest.raises(RejectedError, match="publisher's key"):
                     await client.ask(m.Subscribe("trainer", receiver.endpoint))
-                for request in (m.Pull(None, 1.0), m.Get(2, 0), m.Follow()):
+                for request in (m.Pull(None, 1.0), m.Get(2, 0, 0, 1), m.Follow()):
                     with pytest.raises(RejectedError, match="publisher's key"):
                         await client.request(request)
                 assert len(receiver.challenges) == 0  # refused before anything went there

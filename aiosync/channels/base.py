@@ -8,6 +8,7 @@ engines reach turns it around. Tensor bytes never travel here; data planes carry
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import anyio
@@ -40,6 +41,33 @@ class Channel(Protocol):
 
     async def aclose(self) -> None:
         """Close this end (idempotent); pending messages are dropped."""
+
+
+class Delivery(Protocol):
+    """What a zero-copy send returns: whether the transport is done with the parts' memory."""
+
+    @property
+    def done(self) -> bool:
+        """True once the transport no longer reads the memory the parts were sent from."""
+
+
+class PartsChannel(Channel, Protocol):
+    """A channel that also carries messages of several parts (frames), none of them copied.
+
+    A relay's chunk is such a message: a small header, then bucket bytes sent straight from
+    the retained segment and received as a view of the transport's own buffer.
+    """
+
+    async def send_parts(self, parts: Sequence[bytes | memoryview]) -> Delivery:
+        """Send one message of ``parts`` without copying them.
+
+        The parts are referenced, not copied, until the returned :class:`Delivery` is
+        ``done`` (their memory stays alive that long): what changes in them before then may
+        be what is sent.
+        """
+
+    async def recv_parts(self) -> list[memoryview]:
+        """The next message's parts, as views of the transport's buffers (no copy)."""
 
 
 class Listener(Protocol):

@@ -15,7 +15,8 @@ this module.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import anyio
 import zmq
@@ -104,8 +105,17 @@ class ZmqChannel:
         self._errors = zmq_error(endpoint)
 
     @classmethod
-    def connect(cls, endpoint: str, *, auth: ChannelAuth | None = None) -> ZmqChannel:
+    def connect(
+        cls,
+        endpoint: str,
+        *,
+        auth: ChannelAuth | None = None,
+        max_message_bytes: int | None = None,
+    ) -> ZmqChannel:
         """Connect a new DEALER socket, in a context of its own, to ``endpoint``.
+
+        ``max_message_bytes``: libzmq drops the connection (never buffering it) when the
+        peer sends a larger frame, each part of a message counted alone.
 
         ``auth`` holds this side's keypair and the server's public key (CURVE), or allows
         plain tcp on loopback; ``tcp://`` without either is an AiosyncError, and so is an
@@ -118,6 +128,8 @@ class ZmqChannel:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, int(wants_ipv6(endpoint)))
+        if max_message_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         channel: ZmqChannel | None = None
         try:
             if keys is not None:
@@ -191,6 +203,17 @@ class ZmqChannel:
         with map_exceptions(self._errors):
             await self._socket.send(payload)
 
+    async def send_parts(self, parts: Sequence[bytes | memoryview]) -> zmq.MessageTracker:
+        """Send one message of several parts without copying them.
+
+        The tracker is ``done`` once libzmq no longer reads the parts' memory.
+        """
+        self._on_this_loop()
+        with map_exceptions(self._errors):
+            tracker = await self._socket.send_multipart(list(parts), copy=False, track=True)
+        assert tracker is not None  # a tracked send
+        return tracker
+
     async def recv(self) -> bytes:
         """The next message; :class:`PeerGoneError` as soon as the connection drops.
 
@@ -198,8 +221,15 @@ class ZmqChannel:
         one side only) is an :class:`AiosyncError` saying so, as soon as it happens. A
         message already waiting is taken without polling (about 80 µs less per message:
         acks of pipelined messages are often there already); the socket's monitor is
-        read whenever none is.
+        read whenever none is. Of a message of several parts, the last.
         """
+        return bytes((await self._frames(copy=True))[-1])
+
+    async def recv_parts(self) -> list[memoryview]:
+        """The next message's parts as views of libzmq's buffers, not copied (as :meth:`recv`)."""
+        return [frame.buffer for frame in await self._frames(copy=False)]
+
+    async def _frames(self, *, copy: bool) -> list[Any]:
         self._on_this_loop()
         with map_exceptions(self._errors):
             while True:
@@ -207,21 +237,17 @@ class ZmqChannel:
                     raise self._failure
                 if self._lost.is_set():
                     try:  # what the peer sent before it left (its last ack) still counts
-                        frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                        return await self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
                     except zmq.Again:
                         raise PeerGoneError("peer disconnected", peer=self._endpoint) from None
-                    return bytes(frames[-1])
                 if self._window is None:  # a DEALER: a message already waiting needs no poll
                     try:
-                        frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                        return await self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
                     except zmq.Again:
                         pass
-                    else:
-                        return bytes(frames[-1])
                 ready = dict(await self._poller.poll())
                 if self._socket in ready:
-                    frames = await self._socket.recv_multipart()
-                    return bytes(frames[-1])
+                    return await self._socket.recv_multipart(copy=copy)
                 if self._monitor is not None and self._monitor in ready:
                     self._watch(parse_monitor_message(await self._monitor.recv_multipart()))
 

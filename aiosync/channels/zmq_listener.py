@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -311,8 +311,28 @@ class ZmqListener:
         :class:`PeerGoneError` when the peer has disconnected or was just dropped (the
         reply is then discarded); any other ZMQ error is an :class:`AiosyncError`.
         """
+        await self._send(peer, [payload], copy=True)
+
+    async def send_parts_to(
+        self, peer: RouterPeer, parts: Sequence[bytes | memoryview]
+    ) -> zmq.MessageTracker:
+        """As :meth:`send_to`, one message of several parts, none copied.
+
+        The returned tracker is ``done`` once libzmq no longer reads the parts' memory.
+        """
+        tracker = await self._send(peer, parts, copy=False)
+        assert tracker is not None  # a zero-copy send is tracked
+        return tracker
+
+    async def _send(
+        self, peer: RouterPeer, parts: Sequence[bytes | memoryview], *, copy: bool
+    ) -> zmq.MessageTracker | None:
+        message = [*peer.envelope, *parts]
         try:
-            await self._socket.send_multipart([*peer.envelope, payload], flags=zmq.NOBLOCK)
+            sent = self._socket.send_multipart(
+                message, flags=zmq.NOBLOCK, copy=copy, track=not copy
+            )
+            tracker: zmq.MessageTracker | None = await sent
         except zmq.Again:
             self._drop(peer, reason="not reading")
             self._not_reading(peer.peer, self._hwm)
@@ -323,6 +343,7 @@ class ZmqListener:
                 raise PeerGoneError("peer disconnected", peer=peer.peer) from None
             with map_exceptions(self._errors):
                 raise
+        return tracker
 
     def _drop(self, peer: RouterPeer, *, reason: str | None) -> None:
         """Forget a peer; with a ``reason``, also ignore its routing id from now on."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import anyio
 
+from aiosync.channels.base import Delivery
 from aiosync.core.errors import PeerGoneError
 
 log = logging.getLogger("aiosync.channels.zmq")  # the name it logged under before the split
@@ -27,6 +29,11 @@ class PeerOwner(Protocol):
 
     async def send_to(self, peer: RouterPeer, payload: bytes) -> None:
         """Send ``payload`` to ``peer`` without waiting."""
+
+    async def send_parts_to(
+        self, peer: RouterPeer, parts: Sequence[bytes | memoryview]
+    ) -> Delivery:
+        """Send one message of ``parts`` to ``peer`` without waiting or copying."""
 
     def forget(self, peer: RouterPeer) -> None:
         """Drop ``peer``'s channel (its next message starts a new one)."""
@@ -137,6 +144,16 @@ class RouterPeer:
         if self._lost.is_set():
             raise PeerGoneError("peer is gone", peer=self._peer)
         await self._listener.send_to(self, payload)
+
+    async def send_parts(self, parts: Sequence[bytes | memoryview]) -> Delivery:
+        """Reply with one message of several parts, not copied (see :meth:`send`)."""
+        if self._lost.is_set():
+            raise PeerGoneError("peer is gone", peer=self._peer)
+        return await self._listener.send_parts_to(self, parts)
+
+    async def recv_parts(self) -> list[memoryview]:
+        """The next message, as one part (a listener delivers single-part messages only)."""
+        return [memoryview(await self.recv())]
 
     async def recv(self) -> bytes:
         """The next message the listener's accept loop delivered."""

@@ -19,9 +19,9 @@ message        direction   meaning
 ``refused``    S -> C      a request refused, with the reason
 ``closing``    S -> C      the server is shutting down
 ``pull``       R -> S      (a relay) the newest version newer than mine, as a ``head``
-``get``        R -> S      (a relay) one bucket's bytes, answered by ``chunk`` messages
+``get``        R -> S      (a relay) a range of one bucket's bytes, answered by a ``chunk``
 ``head``       S -> R      a version's buckets: bytes used, content digest, specs
-``chunk``      S -> R      a range of a bucket's bytes
+``chunk``      S -> R      a range of a bucket's bytes, in a second message part
 =============  ==========  ==========================================================
 """
 
@@ -152,10 +152,15 @@ class Pull(msgspec.Struct, frozen=True, tag="pull"):
 
 
 class Get(msgspec.Struct, frozen=True, tag="get"):
-    """Relay -> server: the bytes of bucket ``bucket`` of the pulled ``version``."""
+    """Relay -> server: bytes ``[offset, offset + nbytes)`` of a bucket of the pulled version.
+
+    Answered by one :class:`Chunk`; at most :data:`MAX_CHUNK_BYTES` per get.
+    """
 
     version: int
     bucket: int
+    offset: int
+    nbytes: int
 
 
 class BucketHead(msgspec.Struct, frozen=True, array_like=True):
@@ -174,12 +179,16 @@ class Head(msgspec.Struct, frozen=True, tag="head"):
 
 
 class Chunk(msgspec.Struct, frozen=True, tag="chunk"):
-    """Server -> relay: ``data`` is bytes ``[offset, offset + len(data))`` of a bucket."""
+    """Server -> relay: bytes ``[offset, offset + nbytes)`` of a bucket follow this header.
+
+    The bytes travel as the message's second part, sent from the retained segment and
+    received into the relay's without being copied into or out of any message.
+    """
 
     version: int
     bucket: int
     offset: int
-    data: memoryview  # decoded without a copy: a view of the received message
+    nbytes: int
 
 
 Request = Subscribe | Proof | Fetch | Follow | StatusRequest | Wait | Pull | Get
@@ -189,8 +198,11 @@ ControlMessage = Request | Reply
 MAX_CONTROL_BYTES = 1 << 20
 """Largest request a server accepts (and reply a client accepts, unless it says more)."""
 
-CHUNK_BYTES = 4 << 20
-"""Bucket bytes per :class:`Chunk`."""
+CHUNK_BYTES = 16 << 20
+"""Bucket bytes a relay asks for in one :class:`Get` (fewer in a bucket's last chunk)."""
+
+MAX_CHUNK_BYTES = 64 << 20
+"""The most bytes a server sends for one :class:`Get`."""
 
 MAX_HELD = 1 << 14
 """Digests of held buckets a server reads from one subscription (the rest are not held)."""
@@ -228,12 +240,12 @@ def encode(message: ControlMessage) -> bytes:
     return _encoder.encode(message)
 
 
-def _check(data: bytes, limit: int = MAX_CONTROL_BYTES) -> None:
+def _check(data: bytes | memoryview, limit: int = MAX_CONTROL_BYTES) -> None:
     if len(data) > limit:
         raise ProtocolError(f"{len(data)}-byte control message (most {limit})")
 
 
-def _undecodable(data: bytes, exc: Exception) -> ProtocolError:
+def _undecodable(data: bytes | memoryview, exc: Exception) -> ProtocolError:
     return ProtocolError(f"undecodable control message ({len(data)} bytes): {exc}")
 
 
@@ -246,7 +258,7 @@ def decode_request(data: bytes) -> Request:
         raise _undecodable(data, exc) from None
 
 
-def decode_reply(data: bytes, limit: int = MAX_CONTROL_BYTES) -> Reply:
+def decode_reply(data: bytes | memoryview, limit: int = MAX_CONTROL_BYTES) -> Reply:
     """A server's reply; :class:`ProtocolError` if malformed or over ``limit`` bytes."""
     _check(data, limit)
     try:

@@ -7,109 +7,68 @@ engines from its shared memory, so a version crosses the network once per machin
 
 The data plane is the control channel itself: the upstream answers a ``pull`` with the
 version's :class:`~aiosync.server.messages.Head` (each bucket's bytes used, a SHA-256
-digest of its content, and its specs), and each ``get`` with the bucket's bytes in
-:class:`~aiosync.server.messages.Chunk` messages (one bucket in flight at a time, so the
-upstream's queue for a relay holds at most one bucket). Buckets are identified by
-content: the relay fetches only those whose digest it has neither retained nor received
-in an earlier, interrupted attempt (resumable transfers), and copies the others locally.
+digest of its content, and its specs; :mod:`aiosync.server.relay_desk`), and each ``get``
+of a range with one :class:`~aiosync.server.messages.Chunk` whose bytes travel as a second
+message part, from the upstream's segment to the relay's without a copy into or out of a
+message (:mod:`aiosync.server.relay_fetch`: several chunks in flight, each copied once
+into the segment the store retains and hashed there in worker threads). Buckets are
+identified by content: the relay fetches only those whose digest it has neither retained
+nor received in an earlier, interrupted attempt (resumable transfers), and copies the
+others locally; what it received of an attempt that failed stays in its segments for the
+next one.
 
 The upstream is hostile input, bounded by the same :class:`~aiosync.core.limits.Limits`
 as an engine's peers (:mod:`aiosync.server.relay_checks`): a head past them is refused
 before anything is allocated, named in :attr:`Relay.last_error`, and that version is
-skipped (the relay waits for a newer one); the relay keeps running.
+skipped (the relay waits for a newer one); the relay keeps running. No frame larger than
+``max_message_bytes`` is buffered, and every bucket is checked against its digest before
+it is retained.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import torch
 
 import aiosync.server.messages as m
-from aiosync.channels.base import Channel
+from aiosync.channels.base import PartsChannel
 from aiosync.channels.keys import ChannelAuth
-from aiosync.core.errors import AiosyncError, ProtocolError, RejectedError, SyncTimeoutError
+from aiosync.core.errors import (
+    AiosyncError,
+    PeerGoneError,
+    ProtocolError,
+    RejectedError,
+    SyncTimeoutError,
+)
 from aiosync.core.limits import Limits
-from aiosync.engine.held import HeldBuckets, bucket_digest
+from aiosync.engine.held import HeldBuckets
+from aiosync.planes.shm import ShmSegment
 from aiosync.server.relay_checks import check_buckets, check_newer
+from aiosync.server.relay_desk import RelayDesk as RelayDesk
+from aiosync.server.relay_fetch import BucketFill, Window, bounded, fetch, gone
 from aiosync.server.store import RetentionStore
 
 log = logging.getLogger(__name__)
 
-AHEAD = 1
-"""Buckets asked for beyond the one being received (the upstream's queue holds at most
-this many more buckets for a relay)."""
+FRAME_SLACK = 1 << 10
+"""Bytes a frame may have past ``max_message_bytes`` on the wire (CURVE's box around it)."""
 
 
-# --- the upstream side: answering a relay's pull and get --------------------------------
+@dataclass(frozen=True)
+class PullTimes:
+    """Seconds from a pull's start: to the head, to the last bucket fetched, to retained."""
 
-
-@dataclass
-class RelayDesk:
-    """A server's answers to relays: the version each relay channel pulled.
-
-    A version is pinned only while one of its buckets is being sent: a relay that goes
-    away silently holds nothing, and one whose version was evicted between two buckets is
-    refused and pulls again (keeping, by digest, what it already received).
-    """
-
-    store: RetentionStore
-    changed: Callable[[], anyio.Event]
-    pulled: dict[str, int] = field(default_factory=dict)
-    bytes_sent: int = 0  # bucket bytes sent to relays, all channels together
-
-    def release(self, peer: str) -> None:
-        """The channel ended: forget what it pulled."""
-        self.pulled.pop(peer, None)
-
-    async def pull(self, channel: Channel, request: m.Pull, max_wait: float) -> m.Reply:
-        """Wait for a version newer than the relay's; answer with its head."""
-        with anyio.move_on_after(m.bounded_wait(request.timeout, max_wait)):
-            while True:
-                newest = self.store.newest
-                if newest is not None and (request.have is None or newest > request.have):
-                    retained = self.store.pin(newest)
-                    if retained is not None:
-                        break
-                await self.changed().wait()
-            try:
-                digests = await anyio.to_thread.run_sync(retained.digests)
-            finally:
-                self.store.unpin(retained.version)
-            self.pulled[channel.peer] = retained.version
-            heads = [
-                m.BucketHead(bucket.used, digest, bucket.specs)
-                for bucket, digest in zip(retained.buckets, digests, strict=True)
-            ]
-            return m.Head(retained.version, heads)
-        return m.Refused(f"no version newer than {request.have} within {request.timeout:g}s")
-
-    async def get(self, channel: Channel, request: m.Get, timeout: float) -> m.Reply | None:
-        """Send one bucket of the pulled version in chunks (None: sent), or a refusal."""
-        if self.pulled.get(channel.peer) != request.version:
-            return m.Refused(f"version {request.version} is not pulled on this channel")
-        retained = self.store.pin(request.version)
-        if retained is None:
-            return m.Refused(f"version {request.version} is no longer retained")
-        try:
-            if not 0 <= request.bucket < len(retained.buckets):
-                return m.Refused(f"no bucket {request.bucket} in version {request.version}")
-            bucket = retained.buckets[request.bucket]
-            data = bucket.segment.tensor[: bucket.used]
-            for offset in range(0, bucket.used, m.CHUNK_BYTES):
-                piece = memoryview(data[offset : offset + m.CHUNK_BYTES].numpy().data)
-                payload = m.encode(m.Chunk(request.version, request.bucket, offset, piece))
-                with _bounded(timeout, "room to send a chunk", channel.peer):
-                    await channel.send(payload)
-                self.bytes_sent += len(piece)
-        finally:
-            self.store.unpin(request.version)
-        return None
+    head: float
+    fetched: float
+    retained: float
 
 
 # --- the relay side: pulling into this server's store ------------------------------------
@@ -118,17 +77,18 @@ class RelayDesk:
 class Relay:
     """Pulls versions from ``upstream`` into ``store``; ``published(version)`` after each.
 
-    Buckets received from an interrupted attempt are kept (a
-    :class:`~aiosync.engine.held.HeldBuckets`: host memory, by digest) so that the next
-    attempt fetches only what is missing. With ``resume_dir`` they are also written there
-    (one file per bucket, named by its digest, checked against it when read back), so a
-    relay *process* that was killed and started again fetches only what is missing too;
-    the files go once the version is retained.
+    Buckets received in an attempt that failed are kept (a
+    :class:`~aiosync.engine.held.HeldBuckets` by digest, in the segments they were received
+    into, which the store's abort leaves to the relay) so that the next attempt fetches
+    only what is missing and reuses them as they are. With ``resume_dir`` they are also
+    written there (one file per bucket, named by its digest, checked against it when read
+    back), so a relay *process* that was killed and started again fetches only what is
+    missing too; the files go once the version is retained.
 
     ``limits`` bound what the upstream may make the relay hold: a version's buckets,
-    bytes and tensors, and each reply's bytes. A version refused for its buckets is
+    bytes and tensors, and each frame's bytes. A version refused for its buckets is
     :attr:`refused` and not pulled again; :attr:`last_error` says why the last attempt
-    failed.
+    failed; :attr:`last_pull` how long the last pull that retained a version took.
     """
 
     def __init__(
@@ -153,11 +113,15 @@ class Relay:
         self.published = published
         self.auth = auth
         self.timeout = timeout
-        self._spare: dict[int, list[torch.Tensor]] = {}  # receive buffers to reuse, by size
+        most = self.limits.max_message_bytes
+        self.window = Window(chunk=min(m.CHUNK_BYTES, most), timeout=timeout, max_frame=most)
+        self._segments: dict[bytes, ShmSegment] = {}  # what held's memory entries live in
+        self._counting = threading.Lock()
         self.bytes_fetched = 0
         self.bytes_reused = 0
         self.refused: int | None = None  # the newest version refused for its buckets
         self.last_error: Exception | None = None  # why the last attempt failed
+        self.last_pull: PullTimes | None = None
 
     async def run(self, poll: float = 3600.0) -> None:
         """Pull every new version until cancelled; reconnect after a broken attempt."""
@@ -174,15 +138,25 @@ class Relay:
                 await anyio.sleep(1.0)
 
     def connect(self) -> _Owned:
-        """A new channel to the upstream's control endpoint (an async context manager)."""
+        """A new channel to the upstream's control endpoint (an async context manager).
+
+        Its socket takes no frame over ``limits.max_message_bytes`` (and CURVE's few bytes
+        around it): libzmq drops the connection instead of buffering such a frame.
+        """
         from aiosync.channels.zmq import ZmqChannel
 
-        return _Owned(ZmqChannel.connect(self.upstream, auth=self.auth))
+        most = self.limits.max_message_bytes + FRAME_SLACK
+        return _Owned(ZmqChannel.connect(self.upstream, auth=self.auth, max_message_bytes=most))
 
-    async def _ask(self, channel: Channel, request: m.Request, seconds: float) -> m.Reply:
-        with _bounded(seconds, f"answer to {type(request).__name__}", self.upstream):
-            await channel.send(m.encode(request))
-            reply = m.decode_reply(await channel.recv(), self.limits.max_message_bytes)
+    async def _ask(self, channel: PartsChannel, request: m.Request, seconds: float) -> m.Reply:
+        what = f"the answer to {type(request).__name__.lower()}"
+        try:
+            with bounded(seconds, what, self.upstream):
+                await channel.send(m.encode(request))
+                parts = await channel.recv_parts()
+        except PeerGoneError as exc:
+            raise gone(exc, what, self.limits.max_message_bytes, None) from None
+        reply = m.decode_reply(parts[0], self.limits.max_message_bytes)
         if isinstance(reply, m.Refused):
             raise RejectedError(reply.reason, peer=self.upstream)
         if isinstance(reply, m.Closing):
@@ -190,7 +164,7 @@ class Relay:
         return reply
 
     async def pull_once(
-        self, channel: Channel, wait: float, *, stop_after: int | None = None
+        self, channel: PartsChannel, wait: float, *, stop_after: int | None = None
     ) -> int | None:
         """Pull the next newer version whole and retain it; returns it.
 
@@ -200,47 +174,40 @@ class Relay:
         have = self.store.newest
         refused = self.refused
         skip = refused if refused is not None and (have is None or refused > have) else have
+        asked = time.perf_counter()
         head = await self._ask(channel, m.Pull(skip, wait), wait + self.timeout)
+        headed = time.perf_counter()
         if not isinstance(head, m.Head):
             raise ProtocolError(f"expected a head, got {type(head).__name__}", peer=self.upstream)
         await self._check(head, skip)
-        local = self._local_index()
-        held = await anyio.to_thread.run_sync(self._held_of, head, local)
-        firsts = {bucket.digest: i for i, bucket in reversed(list(enumerate(head.buckets)))}
-        wanted = sorted(  # each missing content once (a repeated bucket is fetched once)
-            i for digest, i in firsts.items() if digest not in local and digest not in held
-        )
-        if stop_after is not None:
-            wanted = wanted[:stop_after]
-        asked = 0  # the next bucket of ``wanted`` to ask for; at most AHEAD asked, unread
+        version = head.version
+        ready: dict[int, ShmSegment] = {}  # each bucket's segment, filled
         try:
-            for index, bucket in enumerate(head.buckets):
-                if bucket.digest in local and await self._copy_local(local[bucket.digest], bucket):
-                    continue
-                data = self.held.cached(bucket.digest)
-                if data is None:
-                    if index not in wanted:
-                        raise AiosyncError("stopped mid-version (test)", peer=self.upstream)
-                    position = wanted.index(index)
-                    while asked < len(wanted) and asked <= position + AHEAD:
-                        await channel.send(m.encode(m.Get(head.version, wanted[asked])))
-                        asked += 1
-                    data = await self._receive(channel, head.version, index, bucket)
-                    await anyio.to_thread.run_sync(self._keep, head.version, bucket.digest, data)
-                else:
-                    self.bytes_reused += bucket.used
-                await anyio.to_thread.run_sync(self.store.add_bucket, data, bucket.specs)
-            retained = await anyio.to_thread.run_sync(self.store.commit, head.version)
+            local = self._local_index()
+            missing = await anyio.to_thread.run_sync(self._from_here, head, local, ready)
+            if stop_after is not None:
+                missing = missing[:stop_after]
+            fills = [BucketFill(i, head.buckets[i], self.store.reserve_segment) for i in missing]
+            whole = partial(self._whole, version)
+            await fetch(channel, version, fills, self.window, whole=whole, upstream=self.upstream)
+            fetched = time.perf_counter()
+            ready.update((fill.index, fill.segment) for fill in fills if fill.segment is not None)
+            await anyio.to_thread.run_sync(self._assemble, head, ready)
+            await anyio.to_thread.run_sync(self.store.commit, version)
         except BaseException:
-            self.store.abort()
+            self.store.abort(keep=list(self._segments.values()))
+            self._prune()
             raise
-        for retained_bucket, bucket in zip(retained.buckets, head.buckets, strict=True):
-            retained_bucket.digest = bucket.digest
-        self._spare = {}  # its receive buffers: faulting pages in costs more than a copy
-        for data in await anyio.to_thread.run_sync(self.held.clear):  # and the saved files
-            self._spare.setdefault(data.numel(), []).append(data)
-        self.published(head.version)
-        return head.version
+        await anyio.to_thread.run_sync(self.held.clear)  # and the saved files
+        owned = {id(segment) for segment in ready.values()}
+        for segment in self._segments.values():  # kept for a version that never came
+            if id(segment) not in owned:
+                segment.close()
+        self._segments = {}
+        now = time.perf_counter()
+        self.last_pull = PullTimes(headed - asked, fetched - asked, now - asked)
+        self.published(version)
+        return version
 
     async def _check(self, head: m.Head, after: int | None) -> None:
         """Refuse a head past the limits (nothing allocated yet), naming the upstream.
@@ -262,21 +229,79 @@ class Relay:
                 tensor=exc.tensor,
             ) from None
 
-    def _keep(self, version: int, digest: bytes, data: torch.Tensor) -> None:
-        """Keep a received (and checked) bucket until the version is retained."""
-        if not self.held.put(version, digest, data, checked=True, copy=False):
-            raise AiosyncError(f"could not keep bucket {digest.hex()[:16]}", version=version)
+    # --- a worker thread: what this relay holds already, and the version's order -------
 
-    def _held_of(self, head: m.Head, local: dict[bytes, tuple[int, int]]) -> set[bytes]:
-        """Digests of ``head`` held from an earlier attempt or process (checked, in memory)."""
-        found: set[bytes] = set()
-        for bucket in head.buckets:
+    def _from_here(
+        self, head: m.Head, local: dict[bytes, tuple[int, int]], ready: dict[int, ShmSegment]
+    ) -> list[int]:
+        """Fill ``ready`` from what this relay holds; the buckets left to fetch, in order.
+
+        Each content once: the first bucket of each digest (a repeat is copied from it).
+        A bucket received in an earlier attempt is used in its own segment; one retained
+        here, or held in a file, is copied into a new one.
+        """
+        missing: list[int] = []
+        seen: set[bytes] = set()
+        for index, bucket in enumerate(head.buckets):
             digest = bucket.digest
-            if digest in local or digest in found:
+            if digest in seen:
                 continue
-            if self.held.take(head.version, digest, bucket.used) is not None:
-                found.add(digest)
-        return found
+            seen.add(digest)
+            data = self.held.take(head.version, digest, bucket.used)
+            kept = self._segments.get(digest)
+            if data is not None and kept is not None and _backs(kept, data):
+                ready[index] = self.store.reserve_segment(bucket.used, segment=kept)
+            elif digest in local and self._copy_local(local[digest], bucket, ready, index):
+                pass
+            elif data is not None:
+                ready[index] = self._copied(data, bucket.used)
+            else:
+                missing.append(index)
+                continue
+            self._count(reused=bucket.used)
+        return missing
+
+    def _assemble(self, head: m.Head, ready: dict[int, ShmSegment]) -> None:
+        """Place every bucket in the version's order; a repeat is copied from its first."""
+        firsts: dict[bytes, int] = {}
+        for index, bucket in enumerate(head.buckets):
+            first = firsts.setdefault(bucket.digest, index)
+            segment = ready.get(index)
+            if segment is None:
+                source = ready.get(first)
+                if source is None or first == index:
+                    raise AiosyncError("stopped mid-version (test)", peer=self.upstream)
+                segment = ready[index] = self._copied(source.tensor[: bucket.used], bucket.used)
+                self._count(reused=bucket.used)
+            self.store.add_segment(segment, bucket.used, bucket.specs, bucket.digest)
+
+    def _copied(self, data: torch.Tensor, used: int) -> ShmSegment:
+        segment = self.store.reserve_segment(used)
+        segment.tensor.copy_(data.reshape(-1)[:used])
+        return segment
+
+    def _whole(self, version: int, fill: BucketFill) -> None:
+        """A fetched bucket matched its digest (its lane): keep it, for a failed attempt's next."""
+        segment, bucket = fill.segment, fill.bucket
+        assert segment is not None
+        self._count(fetched=bucket.used)
+        data = segment.tensor[: bucket.used]
+        if self.held.put(version, bucket.digest, data, checked=True, copy=False):
+            with self._counting:
+                self._segments[bucket.digest] = segment
+
+    def _count(self, *, fetched: int = 0, reused: int = 0) -> None:
+        with self._counting:
+            self.bytes_fetched += fetched
+            self.bytes_reused += reused
+
+    def _prune(self) -> None:
+        """Forget (and close) kept segments whose bucket the held store no longer keeps."""
+        for digest, segment in list(self._segments.items()):
+            data = self.held.cached(digest)
+            if data is None or not _backs(segment, data):
+                del self._segments[digest]
+                segment.close()
 
     def _local_index(self) -> dict[bytes, tuple[int, int]]:
         """Digest -> (version, bucket) of every retained bucket with a known digest."""
@@ -293,73 +318,40 @@ class Relay:
                 self.store.unpin(version)
         return found
 
-    async def _copy_local(self, where: tuple[int, int], bucket: m.BucketHead) -> bool:
-        """Retain a bucket from one this store already holds; False if that one is gone."""
-        version, index = where
+    def _copy_local(
+        self,
+        where: tuple[int, int],
+        bucket: m.BucketHead,
+        ready: dict[int, ShmSegment],
+        index: int,
+    ) -> bool:
+        """Copy a bucket this store retains into ``ready[index]``; False if that one is gone."""
+        version, source_index = where
         retained = self.store.pin(version)
         if retained is None:
             return False
         try:
-            source = retained.buckets[index]
+            source = retained.buckets[source_index]
             if source.used != bucket.used:
                 return False
-            data = source.segment.tensor[: source.used]
-            await anyio.to_thread.run_sync(self.store.add_bucket, data, bucket.specs)
+            ready[index] = self._copied(source.segment.tensor, bucket.used)
         finally:
             self.store.unpin(version)
-        self.bytes_reused += bucket.used
         return True
 
-    async def _receive(
-        self, channel: Channel, version: int, index: int, bucket: m.BucketHead
-    ) -> torch.Tensor:
-        """One asked-for bucket's chunks, assembled and checked against its digest."""
-        spare = self._spare.get(bucket.used)
-        try:
-            data = spare.pop() if spare else torch.empty(bucket.used, dtype=torch.uint8)
-        except (RuntimeError, MemoryError) as exc:  # torch's allocator says RuntimeError
-            raise AiosyncError(
-                f"cannot allocate {bucket.used} bytes for bucket {index}: {exc}",
-                peer=self.upstream,
-                version=version,
-            ) from None
-        view = data.numpy()
-        received = 0
-        while received < bucket.used:
-            with _bounded(self.timeout, "chunk", self.upstream):
-                reply = m.decode_reply(await channel.recv(), self.limits.max_message_bytes)
-            if isinstance(reply, m.Refused):
-                raise RejectedError(reply.reason, peer=self.upstream)
-            if (
-                not isinstance(reply, m.Chunk)
-                or (reply.version, reply.bucket, reply.offset) != (version, index, received)
-                or not 0 < len(reply.data) <= bucket.used - received
-            ):
-                raise ProtocolError("unexpected chunk", peer=self.upstream, version=version)
-            view[received : received + len(reply.data)] = memoryview(reply.data)
-            received += len(reply.data)
-        self.bytes_fetched += received
-        if await anyio.to_thread.run_sync(bucket_digest, data) != bucket.digest:
-            raise ProtocolError(f"bucket {index} does not match its digest", version=version)
-        return data
 
-
-@contextmanager
-def _bounded(seconds: float, what: str, peer: str) -> Iterator[None]:
-    """A wait of at most ``seconds``; past it a :class:`SyncTimeoutError` naming the peer."""
-    with anyio.move_on_after(seconds) as scope:
-        yield
-    if scope.cancelled_caught:
-        raise SyncTimeoutError(f"no {what} within {seconds:g}s", peer=peer)
+def _backs(segment: ShmSegment, data: torch.Tensor) -> bool:
+    """Whether ``data`` is a view of ``segment``'s memory from its start."""
+    return data.data_ptr() == segment.tensor.data_ptr()
 
 
 class _Owned:
     """A channel closed when its ``async with`` ends."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: PartsChannel) -> None:
         self.channel = channel
 
-    async def __aenter__(self) -> Channel:
+    async def __aenter__(self) -> PartsChannel:
         return self.channel
 
     async def __aexit__(self, *exc: object) -> None:

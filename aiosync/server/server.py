@@ -25,7 +25,7 @@ import anyio
 import anyio.abc
 
 import aiosync.server.messages as m
-from aiosync.channels.base import Channel
+from aiosync.channels.base import Channel, PartsChannel
 from aiosync.core.errors import (
     AiosyncError,
     ProtocolError,
@@ -247,7 +247,7 @@ class WeightServer(SubscriberFeeds):
         with anyio.move_on_after(REPLY_TIMEOUT), suppress(AiosyncError):
             await channel.send(m.encode(message))  # a peer gone meanwhile: nothing to do
 
-    async def _control(self, channel: Channel) -> None:
+    async def _control(self, channel: PartsChannel) -> None:
         """Serve one client's requests in order; a malformed one ends its channel."""
         most = CONTROLS_PER_SUBSCRIBER * self.config.max_subscribers
         who = holder(channel.peer, channel.key)

@@ -17,7 +17,8 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ class RetainedBucket:
     specs: list[TensorSpec]
     slots: list[Slot] = field(default_factory=list)
     digest: bytes | None = None  # of its content (SHA-256), once a relay or resumer asked
+    hashing: Future[bytes] | None = None  # its digest, being computed since it arrived
 
 
 @dataclass
@@ -59,14 +61,18 @@ class RetainedVersion:
     def digests(self) -> list[bytes]:
         """Each bucket's content digest (SHA-256), computed once (a worker thread).
 
-        Buckets are hashed in parallel, one thread per core (hashing releases the GIL).
+        Buckets are hashed in parallel, one thread per core (hashing releases the GIL);
+        those hashed as they arrived (:meth:`RetentionStore.hash_ahead`) are waited for.
         """
-        missing = [bucket for bucket in self.buckets if bucket.digest is None]
+        missing = [b for b in self.buckets if b.digest is None and b.hashing is None]
         if missing:
             with ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
                 found = pool.map(lambda b: bucket_digest(b.segment.tensor[: b.used]), missing)
                 for bucket, digest in zip(missing, found, strict=True):
                     bucket.digest = digest
+        for bucket in self.buckets:
+            if bucket.digest is None and bucket.hashing is not None:
+                bucket.digest = bucket.hashing.result()
         return [bucket.digest or b"" for bucket in self.buckets]
 
     @property
@@ -118,6 +124,7 @@ class RetentionStore:
         self.memory_timeout = memory_timeout
         self._versions: dict[int, RetainedVersion] = {}
         self._pending: list[RetainedBucket] = []
+        self._reserved: list[tuple[ShmSegment, int]] = []  # pending, not placed yet
         self._changed = threading.Condition()
         self._closed = False
         self._pool: dict[int, list[ShmSegment]] = {}  # released segments by size
@@ -125,6 +132,19 @@ class RetentionStore:
         self._first_bucket: float | None = None
         self.last_publish_seconds: float | None = None  # first bucket to commit, last version
         self.memory_waits = 0  # buckets that had to wait for a pin to go
+        self._hasher: ThreadPoolExecutor | None = None  # with hash_ahead: digests on arrival
+
+    def hash_ahead(self) -> None:
+        """From now on, hash each bucket in a worker thread as soon as it is placed.
+
+        A relay's pull then finds a new version's digests computed while the publisher was
+        still sending it, instead of waiting for them all once it asks (what
+        :meth:`RetainedVersion.digests` does otherwise). A relay desk turns it on at the
+        first pull; a server no relay pulls from never hashes.
+        """
+        with self._changed:
+            if self._hasher is None and not self._closed:
+                self._hasher = ThreadPoolExecutor(os.cpu_count() or 1, "aiosync-digest")
 
     @property
     def versions(self) -> list[int]:
@@ -197,6 +217,25 @@ class RetentionStore:
         a new one.
         """
         used = bucket.numel()
+        segment = self.reserve_segment(used)
+        try:
+            segment.tensor.copy_(bucket.reshape(-1))
+        except BaseException:
+            self._release(segment, used)
+            raise
+        self.add_segment(segment, used, specs)
+
+    def reserve_segment(self, used: int, segment: ShmSegment | None = None) -> ShmSegment:
+        """Room for ``used`` more bytes of the pending version, and a segment to fill there.
+
+        A worker thread: it waits (at most ``memory_timeout``) for a pinned version to go
+        when the bytes do not fit. The segment is a retired version's of that size when one
+        is kept, else a new one, or ``segment``: one of ``used`` bytes the caller kept from
+        an aborted version (:meth:`abort`'s ``keep``). It belongs to the pending version
+        from now on: :meth:`add_segment` places it once filled, :meth:`abort` takes it back.
+        """
+        if segment is not None and segment.size != used:
+            raise UsageError(f"a segment of {segment.size} bytes cannot hold {used}")
         deadline = time.monotonic() + self.memory_timeout
         with self._changed:
             while True:
@@ -217,24 +256,54 @@ class RetentionStore:
                         f"{self.book.used_bytes} bytes held, every older version in flight "
                         "to a subscriber"
                     )
-            segment = self._reuse(used)
+            if segment is None:
+                segment = self._reuse(used)
         try:
             if segment is None:
                 segment = _new_segment(used)
-            segment.tensor.copy_(bucket.reshape(-1))
         except BaseException:
             with self._changed:
                 self.book.pending -= used
-                if segment is not None:
-                    self._recycle(segment)
             raise
         with self._changed:
-            self._pending.append(RetainedBucket(segment, used, list(specs)))
+            self._reserved.append((segment, used))
+        return segment
+
+    def add_segment(
+        self,
+        segment: ShmSegment,
+        used: int,
+        specs: list[TensorSpec],
+        digest: bytes | None = None,
+    ) -> None:
+        """Place a segment from :meth:`reserve_segment`, filled, as the next bucket (no copy).
+
+        ``digest``: its content's, when the caller checked it (a relay); else, with
+        :meth:`hash_ahead`, it is computed from now on in a worker thread.
+        """
+        bucket = RetainedBucket(segment, used, list(specs), digest=digest)
+        with self._changed:
+            if digest is None and self._hasher is not None:
+                bucket.hashing = self._hasher.submit(bucket_digest, segment.tensor[:used])
+            self._reserved = [(s, n) for s, n in self._reserved if s is not segment]
+            self._pending.append(bucket)
             if self._first_bucket is None:
                 self._first_bucket = time.perf_counter()
 
+    def _release(self, segment: ShmSegment, used: int) -> None:
+        """A reserved segment that will not be placed: its bytes are free, it is kept for reuse."""
+        with self._changed:
+            self._reserved = [(s, n) for s, n in self._reserved if s is not segment]
+            self.book.pending -= used
+            self._recycle(segment)
+
     def commit(self, version: int) -> RetainedVersion:
-        """The pending version is retained as ``version`` (older ones may leave)."""
+        """The pending version is retained as ``version`` (older ones may leave).
+
+        Segments reserved and never placed are released first.
+        """
+        for segment, used in list(self._reserved):
+            self._release(segment, used)
         with self._changed:
             buckets, self._pending = self._pending, []
             first, self._first_bucket = self._first_bucket, None
@@ -247,14 +316,21 @@ class RetentionStore:
             self._changed.notify_all()
         return retained
 
-    def abort(self) -> None:
-        """Drop the pending version."""
+    def abort(self, keep: Collection[ShmSegment] = ()) -> None:
+        """Drop the pending version; its segments are kept for reuse, except those in ``keep``.
+
+        Those (reserved or placed) are left to the caller, to fill the next attempt at a
+        version from (:meth:`reserve_segment`) or to close.
+        """
+        kept = {id(segment) for segment in keep}
         with self._changed:
             buckets, self._pending = self._pending, []
+            reserved, self._reserved = self._reserved, []
             self._first_bucket = None
             self.book.abort()
-            for bucket in buckets:
-                self._recycle(bucket.segment)
+            for segment in [bucket.segment for bucket in buckets] + [s for s, _ in reserved]:
+                if id(segment) not in kept:
+                    self._recycle(segment)
             self._changed.notify_all()
 
     def pin(self, version: int) -> RetainedVersion | None:
@@ -274,15 +350,19 @@ class RetentionStore:
         """Release every segment (pending ones too); waiting buckets fail."""
         with self._changed:
             self._closed = True
+            hasher, self._hasher = self._hasher, None
             versions, self._versions = list(self._versions.values()), {}
             buckets, self._pending = self._pending, []
+            reserved, self._reserved = self._reserved, []
             self._changed.notify_all()
             pool = [segment for kept in self._pool.values() for segment in kept]
             self._pool.clear()
             self._pool_bytes = 0
+        if hasher is not None:
+            hasher.shutdown(wait=False, cancel_futures=True)
         for retained in versions:
             retained.close()
-        for segment in [bucket.segment for bucket in buckets] + pool:
+        for segment in [bucket.segment for bucket in buckets] + [s for s, _ in reserved] + pool:
             segment.close()
 
 
