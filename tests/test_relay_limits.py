@@ -245,3 +245,27 @@ def test_versions_must_grow_by_any_step() -> None:
     check_newer(5 + 10 * Limits().max_version_step, 5)  # a relay skips what it missed
     with pytest.raises(ProtocolError, match="version 5 is not newer than 5"):
         check_newer(5, 5)
+
+
+async def test_bytes_unlike_their_digest_are_refused_and_what_matched_is_kept() -> None:
+    """Issue 29: every bucket is checked against its digest as it lands in its segment; a
+    bucket that fails is refused naming it, and the next attempt fetches only that one."""
+    good, wanted = b"\x07" * 64, b"\x08" * 64
+    claims = m.Head(1, [bucket(good), bucket(wanted, name="v")])
+    upstream = FakeUpstream(
+        [
+            Version(claims, [good, b"\x09" * 64]),  # bucket 1's bytes are not what it claims
+            Version(claims, [good, wanted]),
+        ]
+    )
+    async with relay_of(upstream) as relay:
+        assert relay.relay is not None
+        error = await failure(relay)
+        assert isinstance(error, ProtocolError)
+        assert "bucket 1 does not match its digest" in str(error)
+        assert "version 1" in str(error)
+        await retained(relay, 1)
+        asked = [(get.version, get.bucket) for get in upstream.gets]
+        assert asked == [(1, 0), (1, 1), (1, 1)]  # bucket 0 was kept from the first attempt
+        assert relay.relay.bytes_fetched == 2 * 64  # those that matched their digest
+        assert relay.relay.bytes_reused == 64

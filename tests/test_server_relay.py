@@ -83,6 +83,7 @@ async def test_interrupted_pull_resumes_with_only_the_missing_buckets(tmp_path: 
             async with relay.connect() as channel:  # a new connection: only the rest comes
                 assert await relay.pull_once(channel, WAIT) == 0
                 assert upstream.relays.bytes_sent - first == sum(sizes[2:])
+                assert relay.bytes_reused == sum(sizes[:2])  # kept in their segments
                 # a version where one tensor changed: only its bucket crosses again
                 weights["layer.0.bias"] += 1
                 await sender.send(weights, version=1)

@@ -117,8 +117,8 @@ class Relay:
         self.window = Window(chunk=min(m.CHUNK_BYTES, most), timeout=timeout, max_frame=most)
         self._segments: dict[bytes, ShmSegment] = {}  # what held's memory entries live in
         self._counting = threading.Lock()
-        self.bytes_fetched = 0
-        self.bytes_reused = 0
+        self.bytes_fetched = 0  # bucket bytes received that matched their digest
+        self.bytes_reused = 0  # bucket bytes this relay held already (kept, retained, repeated)
         self.refused: int | None = None  # the newest version refused for its buckets
         self.last_error: Exception | None = None  # why the last attempt failed
         self.last_pull: PullTimes | None = None
