@@ -264,11 +264,15 @@ def main() -> None:
     benching.add_argument("--size-mb", type=int, default=256)
     benching.add_argument("--repeats", type=int, default=3)
     benching.add_argument("--curve", default="off", help="off, on, or off,on")
+    benching.add_argument("--tree", help="take the package from this checkout")
     args = parser.parse_args()
     if args.command == "serve":
         serve(args)
         return
-    from benchmarks.relay_rate import run_bench
+    from benchmarks.relay_rate import run_bench, use_tree
+
+    if args.tree:
+        use_tree(args.tree)
 
     print(json.dumps(run_bench(args, link=(args.rate_gbit, args.latency_ms, args.burst_kib))))
 

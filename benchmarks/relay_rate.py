@@ -15,7 +15,9 @@ besides wall time, the CPU seconds both processes of each transfer spent (``*_cp
 which a shared machine moves less; and for the relay, the seconds to its head (the
 upstream hashing the version) and of its fetch (``head_s``, ``fetch_s``).
 
-With ``link`` (``python -m benchmarks.link_proxy bench``) both go through a
+``--tree DIR`` takes the package (this process's and the children's) from another checkout,
+to run the code before a change beside it. With ``link`` (``python -m benchmarks.link_proxy
+bench``) both go through a
 :class:`~benchmarks.link_proxy.LinkProxy` process each, and the figures are also put against
 bytes / link rate (``relay_over_link``: the issue asks <= 1.15 at 10 Gb/s and 0.2 ms).
 """
@@ -23,8 +25,10 @@ bytes / link rate (``relay_over_link``: the issue asks <= 1.15 at 10 Gb/s and 0.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,12 +52,17 @@ Link = tuple[float, float, int]  # Gbit/s, one-way ms, burst KiB
 
 
 def spawn(*argv: str) -> subprocess.Popen[str]:
-    """A child Python process of this tree, talking JSON lines on stdout."""
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    """A child Python process of this tree (the package from ``AIOSYNC_TREE``, if set)."""
+    shim = os.environ.get("AIOSYNC_TREE", "")
+    trees = [shim, str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(tree for tree in trees if tree))
     return subprocess.Popen(
-        [sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=shim or ROOT,  # ``-m`` puts the working directory first on the path
     )
 
 
@@ -173,10 +182,10 @@ async def curve_case(args: argparse.Namespace, curve: bool, link: Link | None) -
                     out["raw_s"].append(raw_s)
                     out["relay_cpu_s"].append(relay_cpu)
                     out["raw_cpu_s"].append(raw_cpu)
-                    times = relay.last_pull
-                    assert times is not None
-                    out["head_s"].append(times.head)  # the upstream hashes the version
-                    out["fetch_s"].append(times.fetched - times.head)
+                    times = getattr(relay, "last_pull", None)  # None: a tree before issue 29
+                    if times is not None:
+                        out["head_s"].append(times.head)  # the upstream hashes the version
+                        out["fetch_s"].append(times.fetched - times.head)
     return out
 
 
@@ -264,6 +273,20 @@ def run_bench(args: argparse.Namespace, link: Link | None = None) -> dict[str, A
     return result
 
 
+def use_tree(tree: str) -> None:
+    """Take the package from checkout ``tree`` here and in every child from now on.
+
+    A directory holding only a link to that tree's package goes first on every path (the
+    children's working directory too: ``-m`` puts it first), so ``benchmarks`` is still
+    this one's.
+    """
+    shim = Path(tempfile.mkdtemp(prefix="aiosync-tree-"))
+    atexit.register(shutil.rmtree, shim, True)
+    (shim / "aiosync").symlink_to(Path(tree).resolve() / "aiosync")
+    os.environ["AIOSYNC_TREE"] = str(shim)
+    sys.path.insert(0, str(shim))
+
+
 def main() -> None:
     """Parse the flags; run the benchmark (or, as a child, the raw sender)."""
     if sys.argv[1:2] == ["raw-send"]:
@@ -273,7 +296,13 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--curve", default="off,on", help="off, on, or off,on")
-    print(json.dumps(run_bench(parser.parse_args())))
+    parser.add_argument(
+        "--tree", help="take the package from this checkout (a revision before a change)"
+    )
+    args = parser.parse_args()
+    if args.tree:
+        use_tree(args.tree)
+    print(json.dumps(run_bench(args)))
 
 
 if __name__ == "__main__":
