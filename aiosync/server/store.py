@@ -4,11 +4,13 @@ The server receives a publisher's version through an ordinary
 :class:`~aiosync.engine.receiver.WeightReceiver` whose sink is a :class:`RetainingSink`:
 each bucket is copied once into a segment of its own (a sealed memfd where the machine
 makes them, as a trainer's plane does), with its specs. On commit the version becomes a
-:class:`RetainedVersion`: the segments, the manifest rebuilt from the specs, and each
-bucket's slots, from which the server streams it to subscribers exactly as a trainer
-would, with the segments as the data plane (a subscriber maps them; no copy on the
-server). :class:`RetentionStore` keeps them under a
-:class:`~aiosync.server.retention.RetentionPolicy`.
+:class:`RetainedVersion` (:mod:`aiosync.server.retained`): the segments, the manifest
+rebuilt from the specs, and each bucket's slots, from which the server streams it to
+subscribers exactly as a trainer would, with the segments as the data plane (a subscriber
+maps them; no copy on the server). :class:`RetentionStore` keeps them under a
+:class:`~aiosync.server.retention.RetentionPolicy`. A relay fills the segments itself
+(:meth:`RetentionStore.reserve_segment`, :meth:`RetentionStore.add_segment`): each bucket's
+bytes land once, in the segment that is retained.
 """
 
 from __future__ import annotations
@@ -18,97 +20,23 @@ import os
 import threading
 import time
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from aiosync.core.errors import AiosyncError, UsageError
 from aiosync.core.layout import TensorSpec
-from aiosync.core.manifest import Expectations, TensorMeta
-from aiosync.core.wire import ShmPlaneSpec, Slot
+from aiosync.core.manifest import Expectations
 from aiosync.engine.held import bucket_digest
 from aiosync.engine.sink_base import WeightSink
 from aiosync.planes.memfd import BACKEND_ENV, memfd_available
 from aiosync.planes.shm import ShmSegment
+from aiosync.server.retained import RetainedBucket as RetainedBucket
+from aiosync.server.retained import RetainedVersion as RetainedVersion
+from aiosync.server.retained import index_version as index_version
 from aiosync.server.retention import RetentionBook, RetentionPolicy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RetainedBucket:
-    """One bucket as the publisher sent it: its segment, bytes used and specs."""
-
-    segment: ShmSegment
-    used: int
-    specs: list[TensorSpec]
-    slots: list[Slot] = field(default_factory=list)
-    digest: bytes | None = None  # of its content (SHA-256), once a relay or resumer asked
-    hashing: Future[bytes] | None = None  # its digest, being computed since it arrived
-
-
-@dataclass
-class RetainedVersion:
-    """A whole committed version in shared memory, ready to stream to any subscriber."""
-
-    version: int
-    buckets: list[RetainedBucket]
-    manifest: list[TensorMeta]
-    tensors: int  # whole tensors (what a ``complete`` counts)
-    nbytes: int
-
-    def digests(self) -> list[bytes]:
-        """Each bucket's content digest (SHA-256), computed once (a worker thread).
-
-        Buckets are hashed in parallel, one thread per core (hashing releases the GIL);
-        those hashed as they arrived (:meth:`RetentionStore.hash_ahead`) are waited for.
-        """
-        missing = [b for b in self.buckets if b.digest is None and b.hashing is None]
-        if missing:
-            with ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
-                found = pool.map(lambda b: bucket_digest(b.segment.tensor[: b.used]), missing)
-                for bucket, digest in zip(missing, found, strict=True):
-                    bucket.digest = digest
-        for bucket in self.buckets:
-            if bucket.digest is None and bucket.hashing is not None:
-                bucket.digest = bucket.hashing.result()
-        return [bucket.digest or b"" for bucket in self.buckets]
-
-    @property
-    def spec(self) -> ShmPlaneSpec:
-        """The data plane a subscriber opens: one segment per bucket."""
-        return ShmPlaneSpec([bucket.segment.handle for bucket in self.buckets])
-
-    def close(self) -> None:
-        """Release the segments (mappings subscribers still hold stay valid)."""
-        for bucket in self.buckets:
-            bucket.segment.close()
-
-
-def index_version(version: int, buckets: list[RetainedBucket]) -> RetainedVersion:
-    """Rebuild the manifest from the buckets' specs and give each bucket its slots (pure)."""
-    entries: dict[str, int] = {}
-    metas: list[TensorMeta] = []
-    chunks: list[int] = []
-    tensors = 0
-    for bucket in buckets:
-        bucket.slots = []
-        for spec in bucket.specs:
-            entry = entries.get(spec.name)
-            if entry is None:
-                entry = entries[spec.name] = len(metas)
-                metas.append(TensorMeta(spec.name, spec.dtype, tuple(spec.shape)))
-                chunks.append(0)
-            chunks[entry] += 1
-            tensors += spec.is_last_chunk
-            bucket.slots.append(Slot(entry, spec.offset, spec.nbytes, spec.start))
-    manifest = [
-        TensorMeta(meta.name, meta.dtype, meta.shape, count)
-        for meta, count in zip(metas, chunks, strict=True)
-    ]
-    nbytes = sum(bucket.used for bucket in buckets)
-    return RetainedVersion(version, buckets, manifest, tensors, nbytes)
 
 
 class RetentionStore:
