@@ -344,19 +344,19 @@ def test_the_loop_read_leaves_a_split_with_nothing_direct_to_the_thread() -> Non
 def test_the_loop_read_declines_what_is_not_bounded_work(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import aiosync.trainer.direct as direct
+    import aiosync.core.where_to_run as where_to_run
 
     net, finder, reader = setup(owned=False)  # every region looked up each version
     read(reader, net)
     assert read_kept(reader, net) is not None
-    monkeypatch.setattr(direct, "LOOP_LOOKUPS", 2)
+    monkeypatch.setattr(where_to_run, "LOOP_LOOKUPS", 2)
     assert read_kept(reader, net) is None  # three regions to look up
-    monkeypatch.setattr(direct, "LOOP_LOOKUPS", 64)
-    monkeypatch.setattr(direct, "LOOP_TENSORS", 2)
+    monkeypatch.setattr(where_to_run, "LOOP_LOOKUPS", 64)
+    monkeypatch.setattr(where_to_run, "LOOP_ENTRIES", 2)
     monkeypatch.setattr(reader, "_sort", None)  # declined before the version is walked
     assert read_kept(reader, net) is None  # three tensors (known from the last read)
     monkeypatch.undo()
-    monkeypatch.setattr(direct, "LOOP_TENSORS", 1024)
+    monkeypatch.setattr(where_to_run, "LOOP_ENTRIES", 1024)
     net.a.data = net.a.data.clone()  # moved: the split no longer holds
     finder.allocate(net.a)
     assert read_kept(reader, net) is None

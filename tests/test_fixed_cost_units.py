@@ -21,8 +21,8 @@ from aiosync import SenderConfig
 from aiosync.core.engine_actions import CommitSink
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
-from aiosync.core.stream_state import LIGHT_ENTRIES
 from aiosync.core.trainer_session import Policy
+from aiosync.core.where_to_run import LOOP_ENTRIES
 from aiosync.core.wire import (
     Ack,
     Begin,
@@ -134,7 +134,7 @@ def test_a_begin_s_unchanged_manifest_is_compared_once_for_triage_and_opening() 
 
 
 def test_a_manifest_past_the_light_bound_is_never_light() -> None:
-    big = [TensorMeta(f"t{i}", "float32", (1,)) for i in range(LIGHT_ENTRIES + 1)]
+    big = [TensorMeta(f"t{i}", "float32", (1,)) for i in range(LOOP_ENTRIES + 1)]
     engine = connected()
     send(engine, Begin(0, big))
     engine.memory = type("Memory", (), {"manifest": big, "same_manifest": lambda s, m: True})()  # type: ignore[assignment]

@@ -11,10 +11,11 @@ import torch
 from aiosync import ModuleSink, RejectedError, SenderConfig, WeightReceiver, WeightSender
 from aiosync.core.engine_actions import Apply
 from aiosync.core.layout import TensorSpec
+from aiosync.core.where_to_run import LOOP_SECONDS
 from aiosync.core.wire import Region, ShmHandle
 from aiosync.engine import quick_apply
 from aiosync.engine.bulk_apply import Part
-from aiosync.engine.quick_apply import INLINE_APPLY, QuickApplies
+from aiosync.engine.quick_apply import QuickApplies
 from tests.models import assert_same
 from tests.test_early_begin import Net, direct_pair, state, stepped, tensors
 
@@ -29,11 +30,11 @@ def test_a_bucket_is_quick_only_as_the_same_list_measured_quick() -> None:
     specs = [TensorSpec("a", "float32", (4,), 0, 16)]
     action = apply_of(specs)
     assert not quick.quick(action)  # never seen
-    quick.note(action, INLINE_APPLY / 2)
+    quick.note(action, LOOP_SECONDS / 2)
     assert quick.quick(action)
     assert quick.quick(apply_of(specs))  # another bucket message, the same list
     assert not quick.quick(apply_of(list(specs)))  # an equal list is another bucket
-    quick.note(action, INLINE_APPLY * 2)
+    quick.note(action, LOOP_SECONDS * 2)
     assert not quick.quick(action)  # slow last time: back to the thread
 
 

@@ -24,8 +24,9 @@ from aiosync import (
     WeightReceiver,
     WeightSender,
 )
+from aiosync.core import where_to_run
 from aiosync.core.layout import TensorSpec
-from aiosync.engine import sinks, staging
+from aiosync.engine import staging
 from aiosync.engine.staging import Swap
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
@@ -303,7 +304,7 @@ async def test_only_a_commit_that_moves_no_bytes_runs_on_the_event_loop(
 
     monkeypatch.setattr(staging.Staging, "commit", watched)
     if case == "many tensors":
-        monkeypatch.setattr(sinks, "QUICK_COMMIT_TENSORS", 4)  # Net has 13
+        monkeypatch.setattr(where_to_run, "LOOP_ENTRIES", 4)  # Net has 13
     engine = Net(seed=0)
     kind = OwnCommit if case == "own commit" else ModuleSink
     sink = kind(engine, staged=True, swap="copy" if case == "copy" else "pointer")

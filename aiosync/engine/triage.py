@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from aiosync.core.engine_actions import Apply
 from aiosync.core.errors import AiosyncError
+from aiosync.core.where_to_run import on_loop
 from aiosync.core.wire import Begin, Bucket, Complete, Message
-
-MANY_TENSORS = 256  # tensors beyond which a message's checks run in a worker thread
 
 
 def walks_tensors(message: Message) -> bool:
     """True for messages whose checks visit many tensors (run off the event loop)."""
     if isinstance(message, Begin):
-        return len(message.manifest or ()) > MANY_TENSORS
+        return not on_loop(checked=len(message.manifest or ()))
     if isinstance(message, Bucket):
-        return len(message.slots) + len(message.specs) > MANY_TENSORS
+        return not on_loop(checked=len(message.slots) + len(message.specs))
     return isinstance(message, Complete)
 
 

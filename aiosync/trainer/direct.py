@@ -29,16 +29,11 @@ import torch
 from aiosync.core.layout import DTYPE_NAMES, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta, module_tensors, unique_storage, visible_pairs
 from aiosync.core.planning import Planner, VersionSource, read_source
+from aiosync.core.where_to_run import on_loop
 from aiosync.planes.direct import DIRECT_BYTES, DirectPlan, DirectSenderPlane
 from aiosync.planes.direct_regions import RegionFinder, Spot
 from aiosync.planes.shared_tensors import find_shared
 from aiosync.trainer.direct_plans import direct_plans, distinct, within_bounds
-
-LOOP_TENSORS = 1024
-"""Tensors up to which a kept split is checked on the sender's event loop (about 0.3 ms
-for Llama-3-8B's 291 on the H200 host; :meth:`DirectReader.read_kept`)."""
-LOOP_LOOKUPS = 64
-"""Regions a check on the event loop may look up (those the allocator does not vouch for)."""
 
 
 class DirectReader:
@@ -98,23 +93,24 @@ class DirectReader:
     ) -> VersionSource | None:
         """:meth:`read`, if the last split still holds and ``source`` is small; else None.
 
-        Bounded work (at most :data:`LOOP_TENSORS` tensors and :data:`LOOP_LOOKUPS` regions
-        looked up, no export), so a sender may call it on its event loop and skip the hop
-        to a worker thread; None asks for :meth:`read` in a thread. Only a split with
-        direct tensors: the version's bucket 1 is then a direct bucket, nothing to pack
-        (whose planning could wait on values or copy a tensor).
+        Bounded work (as many tensors and regions looked up as
+        :func:`~aiosync.core.where_to_run.on_loop` allows, no export), so a sender may call
+        it on its event loop and skip the hop to a worker thread; None asks for :meth:`read`
+        in a thread. Only a split with direct tensors: the version's bucket 1 is then a
+        direct bucket, nothing to pack (whose planning could wait on values or copy a
+        tensor).
         """
         kept = self._kept
-        if kept is None or not kept.direct or self._pairs > LOOP_TENSORS:
+        if kept is None or not kept.direct or not on_loop(entries=self._pairs):
             return None  # nothing direct (bucket 1 is to pack), or a large version
         if isinstance(source, torch.nn.Module):
             source = module_tensors(source)
         pairs = visible_pairs(source)
-        if pairs is None or len(pairs) > LOOP_TENSORS:
+        if pairs is None or not on_loop(entries=len(pairs)):
             return None
         pairs, chosen, packed = self._sort(source, pairs)
         finder = self.plane.finder
-        if not kept.matches(chosen, finder, finder.marker(), lookups=LOOP_LOOKUPS):
+        if not kept.matches(chosen, finder, finder.marker(), on_the_loop=True):
             return None
         self.note, self.direct_bytes = "", 0
         self.fresh, self.checked = False, kept.checked
@@ -296,13 +292,14 @@ class _Kept:
         chosen: list[tuple[str, torch.Tensor]],
         finder: RegionFinder,
         mark: object,
-        lookups: int | None = None,
+        on_the_loop: bool = False,
     ) -> bool:
         """Whether ``chosen`` is what was split (one comprehension per property).
 
         ``mark``: the finder's marker, read before this call. Equal to the one read before
         the last lookups, it vouches for the owned regions: only the others are looked up,
-        and if more than ``lookups`` (None: no bound) would be, the answer is False.
+        and ``on_the_loop``, if more would be than :func:`~aiosync.core.where_to_run.on_loop`
+        allows, the answer is False.
         """
         tensors = [t for _, t in chosen]
         self.checked = 0
@@ -318,7 +315,7 @@ class _Kept:
         if not same:
             return False
         probes = self.watched if mark is not None and mark == self.mark else self.probes
-        if lookups is not None and len(probes) > lookups:
+        if on_the_loop and not on_loop(lookups=len(probes)):
             return False
         self.checked = len(probes)
         if not all(finder.still(tensor, spot) for tensor, spot in probes):
