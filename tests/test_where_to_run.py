@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from aiosync.core import where_to_run
+from aiosync.core.layout import TensorSpec
+from aiosync.core.manifest import TensorMeta
 from aiosync.core.where_to_run import (
     LOOP_BYTES,
     LOOP_CHECKED,
@@ -12,7 +14,9 @@ from aiosync.core.where_to_run import (
     LOOP_LOOKUPS,
     LOOP_SECONDS,
     on_loop,
+    walks_tensors,
 )
+from aiosync.core.wire import Begin, Bucket, Commit, Complete, Slot
 
 
 def test_no_work_runs_on_the_loop() -> None:
@@ -56,3 +60,16 @@ def test_the_bounds_are_read_when_called(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(where_to_run, "LOOP_ENTRIES", 2)
     assert on_loop(entries=2)
     assert not on_loop(entries=3)
+
+
+def test_an_engine_s_message_walks_tensors_past_the_checked_bound() -> None:
+    metas = [TensorMeta(f"t{i}", "float32", (1,)) for i in range(LOOP_CHECKED + 1)]
+    assert not walks_tensors(Begin(1, metas[:LOOP_CHECKED]))
+    assert walks_tensors(Begin(1, metas))
+    assert not walks_tensors(Begin(1, None))
+    slots = [Slot(i, 4 * i, 4) for i in range(LOOP_CHECKED)]
+    assert not walks_tensors(Bucket(1, 1, 0, 4 * LOOP_CHECKED, slots=slots))
+    spec = TensorSpec("x", "float32", (1,), 0, 4)
+    assert walks_tensors(Bucket(1, 1, 0, 4 * LOOP_CHECKED, slots=slots, specs=[spec]))
+    assert walks_tensors(Complete(1, 2, 1, 1))  # unless the session finds it light
+    assert not walks_tensors(Commit(1, 3))

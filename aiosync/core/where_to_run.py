@@ -5,12 +5,15 @@ idle (``anyio.to_thread`` after 2 ms idle: median 150-322 µs, 90th percentile 3
 docs/benchmarks.md, docs/cuda.md), and the worker then competes with the loop for the
 GIL. A step that costs less than that runs on the loop, if the size of its work is known
 before it starts. Each bound below counts one kind of work, and says what it was measured
-against. :func:`on_loop` is the only place that compares a size with them.
+against. :func:`on_loop` is the only place that compares a size with them;
+:func:`walks_tensors` sizes up an engine's message with it.
 
 The bounds are read when :func:`on_loop` is called, so a test may patch them here.
 """
 
 from __future__ import annotations
+
+from aiosync.core.wire import Begin, Bucket, Complete, Message
 
 LOOP_ENTRIES = 1024
 """Entries (tensors) of per-entry work that is already known to be cheap: what the last
@@ -61,3 +64,17 @@ def on_loop(
         and nbytes <= LOOP_BYTES
         and measured_seconds <= LOOP_SECONDS
     )
+
+
+def walks_tensors(message: Message) -> bool:
+    """True for an engine's message whose checks visit too many tensors for the loop.
+
+    A ``begin`` by its manifest, a ``bucket`` by its slots and specs (:data:`LOOP_CHECKED`);
+    a ``complete`` always (its coverage check walks the version, unless the session finds
+    it light); anything else is bounded work.
+    """
+    if isinstance(message, Begin):
+        return not on_loop(checked=len(message.manifest or ()))
+    if isinstance(message, Bucket):
+        return not on_loop(checked=len(message.slots) + len(message.specs))
+    return isinstance(message, Complete)

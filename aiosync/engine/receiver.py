@@ -45,7 +45,7 @@ from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
 from aiosync.core.exception_groups import exit_as_one
 from aiosync.core.ready_terms import ReadyTerms
-from aiosync.core.where_to_run import on_loop
+from aiosync.core.where_to_run import on_loop, walks_tensors
 from aiosync.core.wire import Ack, Begin, Challenge, ManifestMemo, Message, encode, split_begin
 from aiosync.engine.challenges import Challenges
 from aiosync.engine.commit import Swapper
@@ -56,8 +56,8 @@ from aiosync.engine.live_hook import OnLive
 from aiosync.engine.quick_apply import QuickApplies, views_at_once, worker_stream
 from aiosync.engine.receiver_reads import ReceiverReads
 from aiosync.engine.sink_shape import SinkShape, as_weight_sink
+from aiosync.engine.sink_tools import apply_error
 from aiosync.engine.sinks import WeightSink
-from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
 from aiosync.planes.cuda_order import ordered_apply, receive_through_plane, with_plane_events
 from aiosync.runtime import require_asyncio
