@@ -4,7 +4,7 @@ A tensor goes direct when it is persistent and its memory is a region engines ca
 (:mod:`aiosync.planes.direct_regions`). Persistent: with ``direct=True``, every
 ``nn.Parameter`` and every tensor in a segment of :func:`aiosync.share_tensors`; with a
 collection of names, exactly those names. Everything else (casts, gathered tensors,
-tensors in memory without a legacy handle) is packed in the same version, and
+tensors in memory engines cannot open) is packed in the same version, and
 :attr:`DirectReader.note` says how much was packed that was asked to go direct, and why.
 
 Direct buckets come first (engines copy them while the trainer packs the rest); how they
@@ -30,6 +30,7 @@ from aiosync.core.layout import DTYPE_NAMES, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta, module_tensors, unique_storage, visible_pairs
 from aiosync.core.planning import Planner, VersionSource, read_source
 from aiosync.core.where_to_run import on_loop
+from aiosync.core.wire import Region
 from aiosync.planes.direct import DIRECT_BYTES, DirectPlan, DirectSenderPlane
 from aiosync.planes.direct_regions import RegionFinder, Spot
 from aiosync.planes.shared_tensors import find_shared
@@ -55,6 +56,11 @@ class DirectReader:
         allocator vouched for every region), or a tensor each for a fresh split."""
         self._kept: _Kept | None = None  # the last version's split, reused while it holds
         self._pairs = 0  # tensors the last version read had
+
+    @property
+    def regions(self) -> list[Region]:
+        """The regions the last split reads directly, each once, in the order met."""
+        return [] if self._kept is None else [spot.region for _, spot in self._kept.probes]
 
     def _persistent(self, name: str, tensor: torch.Tensor) -> bool:
         if self.chosen is True:
@@ -222,7 +228,9 @@ class DirectReader:
             why = "; ".join(f"{reason} ({n})" for reason, n in refused.most_common())
             note = f"{sum(refused.values())} tensors ({refused_bytes} bytes) packed: {why}"
         finder = self.plane.finder
-        owned = finder.allocator_owned({s.key for _, _, s in direct}) if mark is not None else set()
+        keys = {s.key for _, _, s in direct}
+        finder.retain(keys)  # descriptor regions of an older split are served no more
+        owned = finder.allocator_owned(keys) if mark is not None else set()
         return _Kept(chosen, direct, packed, note, mark, owned)
 
     def _locate(self, tensor: torch.Tensor) -> Spot | str:
