@@ -12,7 +12,8 @@ before each version and sends its parameters in direct mode together with two te
 (a cast and a fresh tensor); right after each send returns it changes every parameter
 again (the snapshot rule: the engine must have read before). Prints ``sent`` (version,
 digests of what was sent, the report's byte split, note and committed engines, and whether
-the sender split its tensors afresh and how many lookups it made); a send that raises
+the sender split its tensors afresh and how many lookups it made, the kinds of the regions
+it reads in place and the physical allocations of its descriptor regions); a send that raises
 prints ``failed`` (version, error, seconds) and ends the run. ``--churn`` moves parameters
 between versions: before version 3 two get new storages (``.data =`` and ``set_``), before
 version 5 one is freed, ``torch.cuda.empty_cache()`` runs and it gets a storage of the same
@@ -31,6 +32,7 @@ import torch
 
 from aiosync import ModuleSink, ReceiverConfig, SenderConfig, WeightReceiver, WeightSender
 from aiosync.core.errors import AiosyncError
+from aiosync.planes.fd_regions import pieces_of
 from aiosync.runtime import run
 from tests.cuda_peers import DyingSink
 from tests.models import digest
@@ -161,6 +163,8 @@ def trainer(args: argparse.Namespace) -> None:
                     fresh=reader.fresh,
                     checked=reader.checked,
                     same_address=net.big.data_ptr() == before,
+                    kinds=sorted({type(r).__name__ for r in reader.regions}),
+                    pieces=sum(pieces_of(r) for r in reader.regions),
                 )
 
     run(main)

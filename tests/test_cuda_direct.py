@@ -18,7 +18,6 @@ from tests.conftest import requires_cuda
 from tests.peer_processes import ROOT, ask, events, first, process
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.timeout(400)]
-EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 Event = dict[str, object]
 
 
@@ -154,14 +153,6 @@ def test_an_engine_killed_mid_version_the_sender_raises_naming_it() -> None:
         state = ask(staying, "state")
         assert state["version"] == 1
         assert state["digests"] == sent[1]["digests"]
-
-
-def test_expandable_segments_in_the_trainer_fall_back_to_packing_and_say_so() -> None:
-    sent, got = run_pair(3, trainer_env=EXPANDABLE)
-    for event in sent:
-        assert event["direct"] == 0, event
-        assert "legacy CUDA IPC" in str(event["note"]), event
-        assert got[event["version"]] == event["digests"]
 
 
 def test_a_region_claiming_more_than_its_allocation_is_refused() -> None:

@@ -52,7 +52,7 @@ def quiet(server: FdServer) -> int:
     """
     wrong = msgspec.structs.replace(server.source, token=b"not the token")
     with pytest.raises(AiosyncError, match="wrong token"):
-        fetch_fds(wrong, 1, 1)
+        collect(wrong, 1, 1)
     return open_files()
 
 
@@ -87,6 +87,20 @@ def read(fd: int) -> str:
     return os.pread(fd, 64, 0).decode()
 
 
+def collect(source: DescriptorSource, ident: int, count: int) -> list[tuple[str, int]]:
+    """What each descriptor of region ``ident`` reads, and its size (each close-on-exec)."""
+    got: list[tuple[str, int]] = []
+
+    def take(batch: list[tuple[int, int]]) -> None:
+        assert 0 < len(batch) <= FDS_PER_MESSAGE
+        for fd, size in batch:
+            assert os.get_inheritable(fd) is False
+            got.append((read(fd), size))
+
+    fetch_fds(source, ident, count, take)
+    return got
+
+
 @pytest.fixture
 def files() -> Iterator[Files]:
     exporter = Files({1: 3, 2: 150})
@@ -105,44 +119,45 @@ def server(files: Files) -> Iterator[FdServer]:
 
 
 def test_a_region_s_descriptors_arrive_in_order_with_their_sizes(server: FdServer) -> None:
-    pairs = fetch_fds(server.source, 1, 3)
-    try:
-        assert [read(fd) for fd, _ in pairs] == ["1:0", "1:1", "1:2"]
-        assert [size for _, size in pairs] == [1000, 1001, 1002]
-        assert all(os.get_inheritable(fd) is False for fd, _ in pairs)  # close-on-exec
-    finally:
-        for fd, _ in pairs:
-            os.close(fd)
+    before = quiet(server)
+    got = collect(server.source, 1, 3)
+    assert got == [("1:0", 1000), ("1:1", 1001), ("1:2", 1002)]
+    assert quiet(server) == before  # each batch closed once taken
 
 
 def test_more_pieces_than_one_message_holds_come_in_several(server: FdServer) -> None:
     assert FDS_PER_MESSAGE < 150
-    pairs = fetch_fds(server.source, 2, 150)
-    try:
-        assert [read(fd) for fd, _ in pairs] == [f"2:{i}" for i in range(150)]
-    finally:
-        for fd, _ in pairs:
-            os.close(fd)
+    got = collect(server.source, 2, 150)
+    assert [text for text, _ in got] == [f"2:{i}" for i in range(150)]
 
 
 def test_the_server_closes_every_descriptor_it_sent(server: FdServer, files: Files) -> None:
-    pairs = fetch_fds(server.source, 1, 3)
-    for fd, _ in pairs:
-        os.close(fd)
+    collect(server.source, 1, 3)
     server.close()  # its thread has ended: every answer it sent is behind it
     for fd in files.exported:
         with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(fd)
 
 
+def test_a_batch_the_caller_refuses_is_closed_all_the_same(server: FdServer) -> None:
+    before = quiet(server)
+
+    def take(batch: list[tuple[int, int]]) -> None:
+        raise ProtocolError("not the pieces its region named")
+
+    with pytest.raises(ProtocolError, match="not the pieces"):
+        fetch_fds(server.source, 2, 150, take)
+    assert quiet(server) == before
+
+
 def test_nothing_stays_open_when_the_trainer_refuses(server: FdServer, files: Files) -> None:
     before = quiet(server)
     files.refuse = "the trainer's memory was remapped"
     with pytest.raises(AiosyncError, match="remapped"):
-        fetch_fds(server.source, 1, 3)
+        collect(server.source, 1, 3)
     files.refuse = ""
     with pytest.raises(AiosyncError, match="no pieces"):
-        fetch_fds(server.source, 7, 2)
+        collect(server.source, 7, 2)
     assert quiet(server) == before
 
 
@@ -152,14 +167,14 @@ def test_a_refusal_after_some_batches_closes_the_ones_received(
     """Region 2 has 150 pieces; asking for 200 fails in the third batch of 64."""
     before = quiet(server)
     with pytest.raises(AiosyncError, match="no pieces 128"):
-        fetch_fds(server.source, 2, 200)
+        collect(server.source, 2, 200)
     assert quiet(server) == before
 
 
 def test_a_wrong_token_gets_nothing(server: FdServer) -> None:
     wrong = msgspec.structs.replace(server.source, token=b"x" * 32)
     with pytest.raises(AiosyncError, match="wrong token"):
-        fetch_fds(wrong, 1, 3)
+        collect(wrong, 1, 3)
 
 
 def test_an_engine_takes_descriptors_only_from_the_pid_its_hello_named(
@@ -168,24 +183,24 @@ def test_an_engine_takes_descriptors_only_from_the_pid_its_hello_named(
     before = quiet(server)
     other = msgspec.structs.replace(server.source, pid=server.source.pid + 1)
     with pytest.raises(AiosyncError, match="served by pid"):
-        fetch_fds(other, 1, 3)
+        collect(other, 1, 3)
     elsewhere = msgspec.structs.replace(server.source, pid_namespace=1)
     with pytest.raises(AiosyncError, match="another PID namespace"):
-        fetch_fds(elsewhere, 1, 3)
+        collect(elsewhere, 1, 3)
     assert quiet(server) == before
 
 
 def test_a_trainer_that_cannot_be_reached_is_named() -> None:
     source = DescriptorSource("/nonexistent/regions.sock", os.getpid(), 0, b"t")
     with pytest.raises(AiosyncError, match=r"cannot reach .*runs on its host"):
-        fetch_fds(source, 1, 1)
+        collect(source, 1, 1)
 
 
 def test_region_sizes_are_bounded_before_anything_is_asked() -> None:
     source = DescriptorSource("/nonexistent/regions.sock", os.getpid(), 0, b"t")
     for count in (0, MAX_PIECES + 1):
         with pytest.raises(ProtocolError, match="pieces"):
-            fetch_fds(source, 1, count)
+            collect(source, 1, count)
 
 
 class Hostile:
@@ -230,7 +245,7 @@ def test_answers_that_are_not_what_was_asked_are_refused_and_closed(
         source = DescriptorSource(hostile.path, os.getpid(), _namespace(), b"t")
         before = open_files()
         with pytest.raises(ProtocolError, match=r"cut short|sizes"):
-            fetch_fds(source, 1, 3)
+            collect(source, 1, 3)
         assert open_files() == before  # what came is closed (the hostile side holds none)
     finally:
         hostile.close()
@@ -257,7 +272,7 @@ def test_a_closed_server_removes_its_socket_and_serves_no_more(files: Files) -> 
     assert not os.path.exists(os.path.dirname(path))
     assert threading.active_count() == threads - 1
     with pytest.raises(AiosyncError, match="cannot reach"):
-        fetch_fds(serving.source, 1, 3)
+        collect(serving.source, 1, 3)
 
 
 def test_a_malformed_request_is_answered_with_an_error(server: FdServer) -> None:

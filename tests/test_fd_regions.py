@@ -47,6 +47,7 @@ class FakeAllocations(CudaAllocations):
     """Mappings by base address; each exported as a file that holds its allocation's id."""
 
     def __init__(self) -> None:
+        super().__init__(0)
         self.mappings: dict[int, Mapping] = {}
         self.directory = Path(tempfile.mkdtemp())
         self.blocks = 0
@@ -90,7 +91,7 @@ class FakeAllocations(CudaAllocations):
         path.unlink()
         return fd
 
-    def prepare(self, device: int) -> None:
+    def prepare(self) -> None:
         self.prepared.append(threading.current_thread().name)
 
 
@@ -105,13 +106,16 @@ def fake() -> Iterator[tuple[FakeAllocations, FdRegions]]:
 
 def blocks_of(source: DescriptorSource, region: CudaFdRegion) -> list[int]:
     """The allocation ids behind the descriptors an engine gets for ``region``."""
-    pairs = fetch_fds(source, region.ident, len(region.pieces))
-    try:
-        assert tuple(size for _, size in pairs) == region.pieces
-        return [int(os.pread(fd, 32, 0)) for fd, _ in pairs]
-    finally:
-        for fd, _ in pairs:
-            os.close(fd)
+    blocks: list[int] = []
+    sizes: list[int] = []
+
+    def take(batch: list[tuple[int, int]]) -> None:
+        blocks.extend(int(os.pread(fd, 32, 0)) for fd, _ in batch)
+        sizes.extend(size for _, size in batch)
+
+    fetch_fds(source, region.ident, len(region.pieces), take)
+    assert tuple(sizes) == region.pieces
+    return blocks
 
 
 def test_a_span_is_cut_at_every_allocation_it_crosses() -> None:

@@ -13,10 +13,11 @@ system allows one). Here:
 - :func:`export_fd`: a new file descriptor for the allocation mapped at an address
   (``cuMemRetainAllocationHandle``, ``cuMemExportToShareableHandle``, ``cuMemRelease``);
   the descriptor keeps the allocation alive until it is closed;
-- :class:`ImportedMemory`: an engine's mapping of such descriptors, one after the other in
-  address space of its own (``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``,
-  ``cuMemMap``, ``cuMemSetAccess``), read-only where the driver allows it, seen by torch as
-  one flat ``uint8`` tensor; closing unmaps and releases it.
+- :class:`Imports` and :class:`ImportedMemory`: an engine's import of such descriptors as
+  they arrive (``cuMemImportFromShareableHandle``; each may be closed right after) and its
+  mapping of them one after the other in address space of its own
+  (``cuMemAddressReserve``, ``cuMemMap``, ``cuMemSetAccess``), read-only where the driver
+  allows it, seen by torch as one flat ``uint8`` tensor; closing unmaps and releases it.
 
 The driver library is torch's (:func:`~aiosync.planes.cuda_runtime.driver`), set up on
 first use: importing this module touches no CUDA.
@@ -146,21 +147,26 @@ class MappingQuery:
         return Mapping(base, size, block, types & 0xFFFFFFFF)
 
 
-def export_fd(pointer: int) -> int:
-    """A new POSIX file descriptor of the allocation mapped at ``pointer`` (caller closes it)."""
+def export_fd(pointer: int, device: int) -> int:
+    """A new POSIX file descriptor of the allocation mapped at ``pointer`` on ``device``.
+
+    The caller closes it. The calling thread's current device is left as it was.
+    """
     lib = _vmm()
     handle = ctypes.c_uint64()
-    check_driver(
-        lib.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(pointer)),
-        "cuMemRetainAllocationHandle",
-    )
-    try:
-        fd = ctypes.c_int(-1)
-        code = lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle.value, POSIX_FD, 0)
-        check_driver(code, "cuMemExportToShareableHandle")
-        return fd.value
-    finally:
-        lib.cuMemRelease(handle.value)  # the mapping (and now the fd) hold the allocation
+    with torch.cuda.device(device):
+        _use_device(device)
+        check_driver(
+            lib.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(pointer)),
+            "cuMemRetainAllocationHandle",
+        )
+        try:
+            fd = ctypes.c_int(-1)
+            code = lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle.value, POSIX_FD, 0)
+            check_driver(code, "cuMemExportToShareableHandle")
+            return fd.value
+        finally:
+            lib.cuMemRelease(handle.value)  # the mapping (and now the fd) hold the allocation
 
 
 def _use_device(device: int) -> None:
@@ -176,12 +182,74 @@ def serve_device(device: int) -> None:
     _use_device(device)
 
 
+class Imports:
+    """Allocations imported from a peer's file descriptors on ``device``, until mapped.
+
+    :meth:`add` imports descriptors as they come (the driver keeps its own reference: the
+    caller may close them right after); :meth:`map` hands the handles to the
+    :class:`ImportedMemory` it makes; :meth:`release` gives back whatever is still here.
+    """
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.handles: list[int] = []
+
+    def add(self, fds: Sequence[int]) -> None:
+        """Import each of ``fds`` (raises :class:`AiosyncError` at the first that fails)."""
+        lib = _vmm()
+        with torch.cuda.device(self.device):
+            _use_device(self.device)
+            for fd in fds:
+                handle = ctypes.c_uint64()
+                code = lib.cuMemImportFromShareableHandle(
+                    ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD
+                )
+                check_driver(code, "cuMemImportFromShareableHandle")
+                self.handles.append(handle.value)
+
+    def map(self, sizes: Sequence[int]) -> ImportedMemory:
+        """The imports, of ``sizes[i]`` bytes each, mapped back to back in a range of their own.
+
+        On failure everything is given back (these handles too).
+        """
+        handles, self.handles = self.handles, []
+        if len(handles) != len(sizes) or not handles:
+            for handle in handles:
+                _vmm().cuMemRelease(handle)
+            raise AiosyncError(f"{len(handles)} allocations imported for {len(sizes)}")
+        lib = _vmm()
+        with torch.cuda.device(self.device):
+            _use_device(self.device)
+            base = ctypes.c_uint64()
+            code = lib.cuMemAddressReserve(ctypes.byref(base), sum(sizes), 0, 0, 0)
+            if code != 0:
+                for handle in handles:
+                    lib.cuMemRelease(handle)
+                check_driver(code, "cuMemAddressReserve")
+            memory = ImportedMemory(base.value, sizes, handles, self.device)
+            try:
+                memory._map_all()
+            except BaseException:
+                memory._release(synchronize=False)
+                raise
+        return memory
+
+    def release(self) -> None:
+        """Give back the allocations imported and not mapped (idempotent)."""
+        handles, self.handles = self.handles, []
+        if handles:
+            lib = _vmm()
+            for handle in handles:
+                lib.cuMemRelease(handle)
+
+
 class ImportedMemory:
     """Physical allocations of a peer, from their file descriptors, mapped back to back.
 
-    :attr:`tensor` (flat ``uint8`` on ``device``) is valid until :meth:`close`, which
-    waits for the device first, so that no queued copy reads unmapped memory.
-    :attr:`read_only`: whether the driver took a read-only mapping (else read-write).
+    Made by :meth:`Imports.map`. :attr:`tensor` (flat ``uint8`` on ``device``) is valid
+    until :meth:`close`, which waits for the device first, so that no queued copy reads
+    unmapped memory. :attr:`read_only`: whether the driver took a read-only mapping (else
+    read-write).
     """
 
     def __init__(self, base: int, sizes: Sequence[int], handles: list[int], device: int) -> None:
@@ -193,45 +261,6 @@ class ImportedMemory:
         self._mapped: list[tuple[int, int]] = []  # (address, size) of each mapping made
         self.read_only = False
         self._tensor: torch.Tensor | None = None
-
-    @classmethod
-    def map(cls, fds: Sequence[int], sizes: Sequence[int], device: int) -> ImportedMemory:
-        """Import ``fds`` (one allocation of ``sizes[i]`` bytes each) and map them on ``device``.
-
-        The descriptors stay the caller's to close. On any failure everything taken so
-        far is given back.
-        """
-        if len(fds) != len(sizes) or not fds:
-            raise AiosyncError(f"{len(fds)} descriptors for {len(sizes)} allocations")
-        lib = _vmm()
-        handles: list[int] = []
-        memory: ImportedMemory | None = None
-        with torch.cuda.device(device):
-            _use_device(device)
-            try:
-                for fd in fds:
-                    handle = ctypes.c_uint64()
-                    code = lib.cuMemImportFromShareableHandle(
-                        ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD
-                    )
-                    check_driver(code, "cuMemImportFromShareableHandle")
-                    handles.append(handle.value)
-                base = ctypes.c_uint64()
-                check_driver(
-                    lib.cuMemAddressReserve(ctypes.byref(base), sum(sizes), 0, 0, 0),
-                    "cuMemAddressReserve",
-                )
-                memory = cls(base.value, sizes, handles, device)
-                memory._map_all()
-                memory._tensor = device_tensor(base.value, memory.size, device)
-            except BaseException:
-                if memory is not None:
-                    memory._release(synchronize=False)
-                else:
-                    for handle_value in handles:
-                        lib.cuMemRelease(handle_value)
-                raise
-        return memory
 
     def _map_all(self) -> None:
         """Map each allocation after the one before, then grant this device access."""
@@ -245,10 +274,11 @@ class ImportedMemory:
         desc = _AccessDesc(_Location(_LOCATION_DEVICE, self.device), _PROT_READ)
         if lib.cuMemSetAccess(self._base, self.size, ctypes.byref(desc), 1) == 0:
             self.read_only = True
-            return
-        desc.flags = _PROT_READWRITE
-        code = lib.cuMemSetAccess(self._base, self.size, ctypes.byref(desc), 1)
-        check_driver(code, "cuMemSetAccess")
+        else:
+            desc.flags = _PROT_READWRITE
+            code = lib.cuMemSetAccess(self._base, self.size, ctypes.byref(desc), 1)
+            check_driver(code, "cuMemSetAccess")
+        self._tensor = device_tensor(self._base, self.size, self.device)
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -153,13 +153,11 @@ class RegionFinder:
     def _locate_cuda(self, tensor: torch.Tensor) -> Spot | str:
         pointer = tensor.data_ptr()
         found = _attributes(pointer, self._scratch)
-        if found is None:
-            return NOT_EXPORTABLE
-        base, size, buffer_id, capable = found
-        if not capable:
+        if found is None or not found[3]:
             return self._locate_fd(tensor)
+        base, size, buffer_id, _ = found
         if buffer_id not in self._exports:
-            self._exports[buffer_id] = _export(base, size) if capable else None
+            self._exports[buffer_id] = _export(base, size)
             self._bases[buffer_id] = base
         region = self._exports[buffer_id]
         if region is None:

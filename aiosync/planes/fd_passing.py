@@ -21,8 +21,8 @@ its pieces :data:`FDS_PER_MESSAGE` at a time (:class:`FdRequest`), each answer a
 - The engine accepts descriptors only from the trainer of its hello: the socket's peer must
   be this user and, in the same PID namespace, the hello's pid (another namespace is
   refused: its pid cannot be checked). Each answer must carry exactly the descriptors asked
-  for, none cut off (``MSG_CTRUNC``), with one size each. Descriptors arrive close-on-exec;
-  every one received is closed if anything fails, and the caller closes them after use.
+  for, none cut off (``MSG_CTRUNC``), with one size each. Descriptors arrive close-on-exec
+  and are closed as soon as the caller has taken their batch, or anything failed.
 """
 
 from __future__ import annotations
@@ -213,47 +213,47 @@ class FdServer:
 
 
 def fetch_fds(
-    source: DescriptorSource, ident: int, count: int, timeout: float = FD_TIMEOUT
-) -> list[tuple[int, int]]:
-    """The ``count`` descriptors of region ``ident`` from the trainer ``source`` names.
+    source: DescriptorSource,
+    ident: int,
+    count: int,
+    take: Callable[[list[tuple[int, int]]], None],
+    timeout: float = FD_TIMEOUT,
+) -> None:
+    """Hand ``take`` the ``count`` descriptors of region ``ident``, a batch at a time.
 
-    One ``(descriptor, size)`` a piece, in order; the caller closes them. Raises
-    :class:`AiosyncError` (having closed whatever it received) when the trainer cannot be
-    reached, is not the process the hello named, or refuses; :class:`ProtocolError` when
-    an answer is not what was asked for.
+    Each batch is a list of ``(descriptor, size)``, in order, which ``take`` may use until
+    it returns; they are closed then, whatever happens (so at most
+    :data:`FDS_PER_MESSAGE` are open at once). Raises :class:`AiosyncError` when the
+    trainer ``source`` names cannot be reached, is not the process the hello named, or
+    refuses; :class:`ProtocolError` when an answer is not what was asked for.
     """
     if not 0 < count <= MAX_PIECES:
         raise ProtocolError(f"a region of {count} pieces (1-{MAX_PIECES})")
-    received: list[int] = []
-    sizes: list[int] = []
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-            sock.settimeout(timeout)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(source.path)
+        except OSError as exc:
+            raise AiosyncError(
+                f"cannot reach the trainer's descriptor socket {source.path}: {exc} (an "
+                "engine reading a trainer's memory runs on its host, as its user)"
+            ) from None
+        check_peer(sock, source)
+        for start in range(0, count, FDS_PER_MESSAGE):
+            wanted = min(FDS_PER_MESSAGE, count - start)
+            sock.send(msgspec.msgpack.encode(FdRequest(source.token, ident, start, wanted)))
+            reply, fds = receive(sock, wanted)
             try:
-                sock.connect(source.path)
-            except OSError as exc:
-                raise AiosyncError(
-                    f"cannot reach the trainer's descriptor socket {source.path}: {exc} (an "
-                    "engine reading a trainer's memory runs on its host, as its user)"
-                ) from None
-            check_peer(sock, source)
-            for start in range(0, count, FDS_PER_MESSAGE):
-                wanted = min(FDS_PER_MESSAGE, count - start)
-                sock.send(msgspec.msgpack.encode(FdRequest(source.token, ident, start, wanted)))
-                reply, fds = receive(sock, wanted)
-                received.extend(fds)
                 if reply.error:
                     raise AiosyncError(f"the trainer refused region {ident}: {reply.error}")
                 if len(fds) != wanted or len(reply.sizes) != wanted:
                     raise ProtocolError(
                         f"{len(fds)} descriptors and {len(reply.sizes)} sizes, not {wanted}"
                     )
-                sizes.extend(reply.sizes)
-    except BaseException:
-        for fd in received:
-            os.close(fd)
-        raise
-    return list(zip(received, sizes, strict=True))
+                take(list(zip(fds, reply.sizes, strict=True)))
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
 
 def check_peer(sock: socket.socket, source: DescriptorSource) -> None:

@@ -41,6 +41,7 @@ from aiosync.core.plane_specs import CudaFdRegion, DescriptorSource, Region
 from aiosync.planes.cuda_vmm import (
     POSIX_FD,
     ImportedMemory,
+    Imports,
     Mapping,
     MappingQuery,
     export_fd,
@@ -87,10 +88,13 @@ def pieces_of(region: Region) -> int:
 
 
 class CudaAllocations:
-    """The driver's answers about this process's physical allocations, for :class:`FdRegions`.
+    """The driver's answers about this process's physical allocations on ``device``.
 
-    (Tests stand in for it with allocations over plain files.)
+    What :class:`FdRegions` asks (tests stand in for it with allocations over plain files).
     """
+
+    def __init__(self, device: int) -> None:
+        self.device = device
 
     def query(self) -> Callable[[int], Mapping | None]:
         """A mapping query for one thread (:class:`~aiosync.planes.cuda_vmm.MappingQuery`)."""
@@ -98,11 +102,11 @@ class CudaAllocations:
 
     def export(self, pointer: int) -> int:
         """A new descriptor of the allocation mapped at ``pointer`` (the caller closes it)."""
-        return export_fd(pointer)
+        return export_fd(pointer, self.device)
 
-    def prepare(self, device: int) -> None:
-        """Ready the serving thread to export ``device``'s memory."""
-        serve_device(device)
+    def prepare(self) -> None:
+        """Ready the serving thread to export the device's memory."""
+        serve_device(self.device)
 
 
 class FdRegions:
@@ -116,7 +120,7 @@ class FdRegions:
     def __init__(self, device: int, allocations: CudaAllocations | None = None) -> None:
         self.device = device
         self.off = ""
-        self._allocations = allocations or CudaAllocations()
+        self._allocations = allocations or CudaAllocations(device)
         self._query = self._allocations.query()  # the reader's
         self._served = self._allocations.query()  # the server thread's
         self._regions: dict[Pieces, CudaFdRegion] = {}
@@ -126,8 +130,7 @@ class FdRegions:
         self._idents = itertools.count(1)
         self._server: FdServer | None = None
         try:
-            prepare = self._allocations.prepare
-            self._server = FdServer(self._export, prepare=lambda: prepare(device))
+            self._server = FdServer(self._export, prepare=self._allocations.prepare)
         except OSError as exc:
             self.off = f"no descriptor socket: {exc}"
 
@@ -233,27 +236,26 @@ def open_fd_region(
 ) -> ImportedMemory:
     """Map ``region`` on ``device`` from the descriptors of the trainer ``source`` names.
 
-    Every descriptor received is closed here, whatever happens. Raises
+    Each batch of descriptors is imported as it arrives and closed right after. Raises
     :class:`ProtocolError` for a trainer that named no socket or descriptors that are not
-    the region's, :class:`AiosyncError` naming the region when it cannot be opened.
+    the region's pieces, :class:`AiosyncError` when the region cannot be opened.
     """
     if source is None:
         raise ProtocolError("a descriptor region from a trainer that named no socket")
+    imports = Imports(device)
+
+    def take(batch: list[tuple[int, int]]) -> None:
+        at = len(imports.handles)
+        if tuple(size for _, size in batch) != region.pieces[at : at + len(batch)]:
+            raise ProtocolError("the trainer's descriptors are not the pieces its region named")
+        imports.add([fd for fd, _ in batch])
+
     try:
-        pairs = fetch_fds(source, region.ident, len(region.pieces))
+        fetch_fds(source, region.ident, len(region.pieces), take)
+        return imports.map(region.pieces)
     except ProtocolError:
         raise
     except AiosyncError as exc:
         raise AiosyncError(f"cannot open a trainer region: {exc.reason}") from None
-    try:
-        if tuple(size for _, size in pairs) != region.pieces:
-            raise ProtocolError("the trainer's descriptors are not the pieces its region named")
-        try:
-            return ImportedMemory.map([fd for fd, _ in pairs], region.pieces, device)
-        except ProtocolError:
-            raise
-        except AiosyncError as exc:
-            raise AiosyncError(f"cannot map a trainer region: {exc.reason}") from None
     finally:
-        for fd, _ in pairs:
-            os.close(fd)
+        imports.release()
