@@ -191,7 +191,9 @@ def test_the_receiver_hands_the_plane_opener_its_sinks_devices(
 
     calls: list[tuple[torch.device, Any]] = []
 
-    def refusing(spec: PlaneSpec, device: torch.device, limits: Any, devices: Any, **_: Any) -> Any:
+    def refusing(
+        spec: PlaneSpec, device: torch.device, limits: Any, devices: Any, **_: Any
+    ) -> Any:
         calls.append((device, devices))
         raise OSError("not opened in this test")
 
