@@ -66,7 +66,7 @@ def test_expandable_segments_read_in_place_through_descriptors_bit_exact() -> No
         assert event["packed"] == TEMPORARIES, event
         assert "legacy" not in str(event["note"]), event  # nothing packed for its memory
         assert event["kinds"] == ["CudaFdRegion"], event
-        assert int(str(event["pieces"])) >= 5, event  # one or more a parameter
+        assert int(str(event["pieces"])) >= 2, event  # the big one's page(s), small ones
         assert got[0][event["version"]] == event["digests"], event["version"]
     assert [e["fresh"] for e in sent] == [True] + [False] * 9
     assert min(int(str(e["checked"])) for e in sent[1:]) == 0, [e["checked"] for e in sent]
