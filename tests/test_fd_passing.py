@@ -289,3 +289,34 @@ def _namespace() -> int:
     from aiosync.private_dirs import pid_namespace
 
     return pid_namespace()
+
+
+@pytest.mark.parametrize("hang_up", [False, True])
+def test_a_trainer_that_goes_silent_or_hangs_up_is_an_aiosync_error(hang_up: bool) -> None:
+    directory = make_private_dir()
+    path = str(directory / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        if hang_up:
+            conn.recv(1 << 16)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        source = DescriptorSource(path, os.getpid(), _namespace(), b"t")
+        with pytest.raises(AiosyncError, match=r"timed out|closed its descriptor socket"):
+            fetch_fds(source, 1, 3, lambda batch: None, timeout=0.3)
+    finally:
+        thread.join(timeout=10)
+        for conn in accepted:
+            conn.close()
+        listener.close()
+        os.unlink(path)
+        directory.rmdir()

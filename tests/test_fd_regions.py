@@ -22,7 +22,15 @@ import torch
 
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.plane_specs import CudaFdRegion, DescriptorSource
-from aiosync.core.wire import Bucket, DirectPlaneSpec, Hello, ShmHandle, decode, encode
+from aiosync.core.wire import (
+    PROTOCOL,
+    Bucket,
+    DirectPlaneSpec,
+    Hello,
+    ShmHandle,
+    decode,
+    encode,
+)
 from aiosync.planes.cuda_vmm import POSIX_FD, Mapping
 from aiosync.planes.direct import MAX_OPEN_PIECES, DirectReceiverPlane
 from aiosync.planes.direct_regions import Spot, expandable_ranges, within
@@ -250,12 +258,12 @@ def test_a_hello_carries_the_descriptor_source() -> None:
 
     source = DescriptorSource("/tmp/x/regions.sock", 42, 7, b"s" * 32)
     spec = DirectPlaneSpec(CudaPlaneSpec(0, 1024, [b"h" * 64]), 1 << 30, b"e" * 64, source)
-    hello = Hello(6, 6, "s", "t", spec)
+    hello = Hello(PROTOCOL, PROTOCOL, "s", "t", spec)
     again = decode(encode(hello))
     assert isinstance(again, Hello)
     assert isinstance(again.plane, DirectPlaneSpec)
     assert again.plane.descriptors == source
-    plain = Hello(6, 6, "s", "t", DirectPlaneSpec(spec.ring, 1 << 30))
+    plain = Hello(PROTOCOL, PROTOCOL, "s", "t", DirectPlaneSpec(spec.ring, 1 << 30))
     got = decode(encode(plain))
     assert isinstance(got, Hello)
     assert isinstance(got.plane, DirectPlaneSpec)

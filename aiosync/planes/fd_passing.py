@@ -241,8 +241,7 @@ def fetch_fds(
         check_peer(sock, source)
         for start in range(0, count, FDS_PER_MESSAGE):
             wanted = min(FDS_PER_MESSAGE, count - start)
-            sock.send(msgspec.msgpack.encode(FdRequest(source.token, ident, start, wanted)))
-            reply, fds = receive(sock, wanted)
+            reply, fds = _ask(sock, FdRequest(source.token, ident, start, wanted))
             try:
                 if reply.error:
                     raise AiosyncError(f"the trainer refused region {ident}: {reply.error}")
@@ -256,9 +255,21 @@ def fetch_fds(
                     os.close(fd)
 
 
+def _ask(sock: socket.socket, request: FdRequest) -> tuple[FdReply, list[int]]:
+    """Send ``request``, and its answer with the descriptors attached (socket errors mapped)."""
+    try:
+        sock.send(msgspec.msgpack.encode(request))
+        return receive(sock, request.count)
+    except OSError as exc:  # a timeout included
+        raise AiosyncError(f"the trainer's descriptor socket failed: {exc}") from None
+
+
 def check_peer(sock: socket.socket, source: DescriptorSource) -> None:
     """Raise :class:`AiosyncError` unless ``sock``'s peer is the trainer ``source`` names."""
-    pid, uid, _ = peer_credentials(sock)
+    try:
+        pid, uid, _ = peer_credentials(sock)
+    except OSError as exc:
+        raise AiosyncError(f"the descriptor socket's peer is unknown: {exc}") from None
     if uid != os.geteuid():
         raise AiosyncError(f"the descriptor socket {source.path} is served by uid {uid}")
     if source.pid_namespace != pid_namespace():
