@@ -9,7 +9,7 @@ never holds the engine's loop, a simulated one would), so the whole host protoco
 without a GPU: bucket 1
 goes inside the begin before the read, each version names the next value, the reads wait,
 a withdrawn guess or a failed read releases the counter, and every version is bit-exact.
-The GPU side (the counter itself) is tested in ``tests/test_cuda_counters.py``.
+The GPU side (the counter itself) is tested in ``tests/gpu/test_cuda_counters.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from aiosync.pipeline.early_begin import EarlyBegin
 from aiosync.pipeline.fanout import kept_first_payload
 from aiosync.planes import BucketContext, ReceiverPlane, view_parts
 from aiosync.planes.shm import ShmReceiverPlane, ShmSenderPlane
-from tests.test_early_begin import Logged
+from tests.api.test_early_begin import Logged
 
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 CONFIG = SenderConfig(buffer_bytes=8192, num_buffers=2, timeout=10)  # two tensors a bucket

@@ -55,8 +55,8 @@ from aiosync.channels.zmq import (
 )
 from aiosync.core.wire import Abort, decode
 from aiosync.runtime import child_env
-from tests.channel_helpers import GUARD, Served, recv, serving
-from tests.models import assert_same, mixed_weights, zeros_like
+from tests.helpers.channel_helpers import GUARD, Served, recv, serving
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
 LONG = 600.0  # a configured timeout the tests must stay far below
 LOOPBACK = "tcp://127.0.0.1:*"

@@ -41,8 +41,8 @@ from aiosync.core.wire import (
     encode,
 )
 from aiosync.runtime import child_env
-from tests.channel_helpers import GUARD, Served, recv, serving
-from tests.models import assert_same, mixed_weights, zeros_like
+from tests.helpers.channel_helpers import GUARD, Served, recv, serving
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
 INSECURE = ChannelAuth(insecure_loopback=True)  # plain tcp on loopback, for these tests only
 

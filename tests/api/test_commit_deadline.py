@@ -40,8 +40,8 @@ from aiosync.core.ready_terms import ReadyTerms
 from aiosync.core.trainer_session import LinkSession
 from aiosync.core.wire import PROTOCOL_MAX, Ack, Commit, Complete, Hello, Message, Ready
 from aiosync.pipeline.links import COMMIT_GRACE
-from tests.peer_processes import first, process
-from tests.test_engine_session import (
+from tests.helpers.peer_processes import first, process
+from tests.unit.test_engine_session import (
     PEER,
     SESSION,
     ack_of,
@@ -337,7 +337,7 @@ async def test_an_engine_stopped_before_each_message_never_commits_after_the_sen
     commit had gone out, the sender says in doubt; the next session shows the version."""
     config = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=1.0)
     messages = 6
-    with process("tests.stopping_engine") as proc:
+    with process("tests.helpers.stopping_engine") as proc:
         ready = await anyio.to_thread.run_sync(first, proc, "ready")
         endpoint = str(ready["endpoint"])
         model = {f"w{i}": torch.full((4096,), float(i)) for i in range(12)}  # 3 buckets

@@ -26,7 +26,7 @@ from aiosync.core.wire import Begin, Bucket, Message, decode
 from aiosync.pipeline import early_begin
 from aiosync.pipeline.fanout import BucketFanout, _Packed
 from aiosync.pipeline.version_spec import VersionSpec
-from tests.models import assert_same, mixed_weights, zeros_like
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, timeout=10)
 

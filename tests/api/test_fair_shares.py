@@ -52,7 +52,7 @@ from aiosync.private_dirs import pid_namespace
 from aiosync.server import ServerConfig, Subscriber, WeightServer
 from aiosync.server import messages as m
 from aiosync.server import server as server_module
-from tests.test_server import SMALL, empty, model, same
+from tests.api.test_server import SMALL, empty, model, same
 
 WAIT = 30.0
 MODEL = {"w": torch.zeros(64), "b": torch.zeros(8)}

@@ -29,8 +29,8 @@ from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.core.errors import SyncTimeoutError, UsageError
 from aiosync.handles import ChannelHandle, ObjectHandle, RayActorHandle, serve_engine
 from aiosync.runtime import child_env
-from tests.handle_peers import ROOT, engine_process
-from tests.models import mixed_weights
+from tests.helpers.handle_peers import ROOT, engine_process
+from tests.helpers.models import mixed_weights
 
 GUARD = 60  # seconds: a hang guard only, never a measured bound
 

@@ -38,7 +38,7 @@ from aiosync.handles.engine import AiosyncEngine
 from aiosync.handles.fleet import engine_rank_offsets
 from aiosync.handles.metadata import bucket_layout
 from aiosync.handles.results import as_result, failures
-from tests.models import mixed_weights
+from tests.helpers.models import mixed_weights
 
 # --- answers --------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import Expectations
 from aiosync.planes.collective import CollectiveOptions
 from aiosync.trainer.collective import CollectiveSender
-from tests.models import assert_same, mixed_weights, zeros_like
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=30)
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])

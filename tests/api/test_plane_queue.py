@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 from aiosync import RejectedError, SenderConfig, WeightSender
-from tests.models import mixed_weights, zeros_like
-from tests.test_stream import bump, receivers, refusing_target
+from tests.api.test_stream import bump, receivers, refusing_target
+from tests.helpers.models import mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
 

@@ -2,7 +2,7 @@
 (naming, attach checks, the sweep of dead creators' names), the shared-memory sender and
 receiver planes, and the pipeline's independence of every plane and channel implementation.
 
-Attacks on an engine's side of shared memory are in tests/test_shm_security.py.
+Attacks on an engine's side of shared memory are in tests/api/test_shm_security.py.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from aiosync.planes.shm import (
 from aiosync.planes.shm_files import SHM_DIR, sweep_stale_segments
 from aiosync.private_dirs import pid_namespace
 from aiosync.runtime import child_env
-from tests.models import mixed_weights
+from tests.helpers.models import mixed_weights
 
 CAPACITY = 64 * 1024
 

@@ -15,8 +15,8 @@ from aiosync.core.wire import Region, ShmHandle
 from aiosync.engine import quick_apply
 from aiosync.engine.bulk_apply import Part
 from aiosync.engine.quick_apply import INLINE_APPLY, QuickApplies
-from tests.models import assert_same
-from tests.test_early_begin import Net, direct_pair, state, stepped, tensors
+from tests.api.test_early_begin import Net, direct_pair, state, stepped, tensors
+from tests.helpers.models import assert_same
 
 
 def apply_of(specs: list[TensorSpec], direct: bool = True) -> Apply:

@@ -52,8 +52,8 @@ from aiosync.core.wire import (
 )
 from aiosync.planes.shm import ShmSenderPlane
 from aiosync.runtime import require_asyncio
-from tests.models import assert_same, mixed_weights, zeros_like
-from tests.test_processes import next_event, peer
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
+from tests.processes.test_processes import next_event, peer
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, timeout=10)
 CAPACITY = 64 * 1024

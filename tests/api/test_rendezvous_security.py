@@ -70,7 +70,7 @@ from aiosync.planes.collective_receiver import CollectiveReceiverPlane, check_sp
 from aiosync.private_dirs import pid_namespace
 from aiosync.trainer.collective import CollectiveSender
 from tests.conftest import requires_two_gpus
-from tests.models import mixed_weights
+from tests.helpers.models import mixed_weights
 
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 GUARD = 60.0  # seconds: a hang guard only, never a measured bound
@@ -473,7 +473,7 @@ def test_a_peers_timeout_is_capped_by_the_engines_own(silent_port: int) -> None:
 @requires_two_gpus
 @only_asyncio
 async def test_nccl_over_a_tcp_rendezvous_whose_store_stops_once_the_group_formed() -> None:
-    from tests.test_collectives_plane import digests, engines
+    from tests.processes.test_collectives_plane import digests, engines
 
     def on_gpu0(seed: int) -> dict[str, torch.Tensor]:
         return {name: t.to("cuda:0") for name, t in mixed_weights(seed=seed).items()}

@@ -23,8 +23,8 @@ from aiosync import ModuleSink, SenderConfig, WeightSender
 from aiosync.core.errors import AiosyncError
 from aiosync.engine.held import HeldBuckets, bucket_digest
 from aiosync.server import ServerConfig, Subscriber, WeightServer
-from tests.test_server import empty, model, same
-from tests.test_server_resume import buckets_of
+from tests.api.test_server import empty, model, same
+from tests.api.test_server_resume import buckets_of
 
 WAIT = 60.0
 KINDS = {"directory": "a directory", "fifo": "a FIFO", "symlink": "a symbolic link"}

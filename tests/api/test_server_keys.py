@@ -13,7 +13,7 @@ from aiosync import ModuleSink, SenderConfig, WeightSender
 from aiosync.channels.keys import ChannelAuth, generate_keypair, load_public_key
 from aiosync.core.errors import AiosyncError
 from aiosync.server import ServerClient, ServerConfig, Subscriber, WeightServer
-from tests.test_server import empty, model, same
+from tests.api.test_server import empty, model, same
 
 WAIT = 30.0
 

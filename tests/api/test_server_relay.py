@@ -14,7 +14,7 @@ from aiosync.core.errors import AiosyncError
 from aiosync.server import RetentionPolicy, ServerConfig, Subscriber, WeightServer
 from aiosync.server.relay import Relay
 from aiosync.server.store import RetentionStore
-from tests.test_server import empty, model, same
+from tests.api.test_server import empty, model, same
 
 WAIT = 30.0
 SMALL = SenderConfig(buffer_bytes=64 << 10, num_buffers=2, timeout=WAIT)

@@ -4,7 +4,7 @@ store is checked, bounded and cleaned; hostile claims and corrupted files never 
 weights.
 
 The server side runs in this process on the real channels (ZMQ over ipc) and shared
-memory; the killed engine is a process (``tests/server_engine.py``).
+memory; the killed engine is a process (``tests/helpers/server_engine.py``).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from aiosync.engine.held import HeldBuckets, bucket_digest
 from aiosync.server import ServerConfig, Subscriber, WeightServer
 from aiosync.server import messages as m
 from aiosync.server.fleet import SubscriberState
-from tests.test_server import SMALL, empty, model, same
+from tests.api.test_server import SMALL, empty, model, same
 
 WAIT = 30.0
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Dropping:
@@ -390,7 +390,7 @@ async def killed_engine_resumes(tmp_path: Path) -> None:
         assert len(buckets) >= 6
 
         def start(name: str, *more: str) -> subprocess.Popen[str]:
-            argv = [sys.executable, "-m", "tests.server_engine", "--control"]
+            argv = [sys.executable, "-m", "tests.helpers.server_engine", "--control"]
             argv += [server.control_endpoint, "--name", name, "--size-mb", "1"]
             argv += ["--resume-dir", str(resume), "--until", "0", *more]
             return subprocess.Popen(

@@ -20,7 +20,7 @@ from aiosync.core.errors import AiosyncError, RejectedError
 from aiosync.server import ServerClient, ServerConfig, Subscriber, WeightServer
 from aiosync.server import messages as m
 from aiosync.server.roles import Roles, receiver_auth, role_auth
-from tests.test_server import SMALL, empty, model, same
+from tests.api.test_server import SMALL, empty, model, same
 
 WAIT = 30.0
 

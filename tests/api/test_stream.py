@@ -34,8 +34,8 @@ from aiosync import (
     WeightReceiver,
     WeightSender,
 )
-from tests.models import assert_same, mixed_weights, zeros_like
-from tests.test_receiver import RawSender
+from tests.api.test_receiver import RawSender
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
 GUARD = 30  # seconds: a hang guard only, never a measured bound

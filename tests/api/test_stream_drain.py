@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from aiosync import ModuleSink, SenderConfig, WeightReceiver, WeightSender
-from tests.models import assert_same, mixed_weights, zeros_like
-from tests.test_stream import GUARD, bump, contiguous
+from tests.api.test_stream import GUARD, bump, contiguous
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
 

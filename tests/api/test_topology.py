@@ -1,7 +1,7 @@
 """Colocated topology without processes: the pure layout, the part codec, the engine side.
 
 The engine side is driven in this process with a trainer plane made here (a sealed memfd),
-so every hostile-input case is checked without Gloo; tests/test_topology_gloo.py runs the
+so every hostile-input case is checked without Gloo; tests/processes/test_topology_gloo.py runs the
 whole path across four processes.
 """
 

@@ -1,5 +1,5 @@
 """Whole versions between a sender and in-process engines: the fixed cost cut, the
-guarantees kept (pieces one at a time: tests/test_fixed_cost_units.py).
+guarantees kept (pieces one at a time: tests/unit/test_fixed_cost_units.py).
 
 - one engine (or policy ``available``): ``complete`` and ``commit`` go right after the
   last bucket, without waiting for an ack; several engines under ``all`` still vote in
@@ -22,8 +22,8 @@ from aiosync.core.errors import ProtocolError
 from aiosync.core.stream_state import StreamState
 from aiosync.core.trainer_session import LinkSession
 from aiosync.core.wire import Ack, Complete
-from tests.models import assert_same, mixed_weights, zeros_like
-from tests.test_stream import bump, contiguous, receivers, refusing_target
+from tests.api.test_stream import bump, contiguous, receivers, refusing_target
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
 SMALL = SenderConfig(buffer_bytes=64 * 1024, num_buffers=2, timeout=10)
 

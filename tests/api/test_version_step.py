@@ -22,7 +22,7 @@ from aiosync import (
 )
 from aiosync.core.limits import Limits
 from aiosync.core.wire import Begin
-from tests.test_engine_session import ack_of, connected, finish, send, stream
+from tests.unit.test_engine_session import ack_of, connected, finish, send, stream
 
 GUARD = 60  # seconds: a hang guard only, never a measured bound
 NAMES = [f"layer.{i}" for i in range(4)]

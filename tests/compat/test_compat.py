@@ -65,7 +65,7 @@ SIGNATURES: dict[str, list[tuple[str, object]]] = {
         ("pg_options", None),
     ],
     "_check_weight_sync_results": [("results", None)],
-    # keyword-only in the reference (checked in tests/test_compat_distributed.py too)
+    # keyword-only in the reference (checked in tests/compat/test_compat_distributed.py too)
     "connect_rollout_engines_from_distributed": [
         ("group_name", None),
         ("rollout_engines", None),
@@ -85,7 +85,7 @@ SIGNATURES: dict[str, list[tuple[str, object]]] = {
         ("weight_version", None),
     ],
     "_derive_engine_gpu_offsets": [("engine_gpu_counts", None)],
-    # keyword-only in the reference (tests/test_topology_gloo.py runs them across ranks)
+    # keyword-only in the reference (tests/processes/test_topology_gloo.py runs them across ranks)
     "connect_colocate_topology": [
         ("engine_gpu_counts", None),
         ("engine_gpu_offsets", None),

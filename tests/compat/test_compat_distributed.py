@@ -1,6 +1,6 @@
 """NeMo-RL's broadcast path on aiosync, across processes with Gloo (issue 11, item 4/6/7/9).
 
-A trainer (this process, rank 0) and engine processes (``tests.handle_engine``: an
+A trainer (this process, rank 0) and engine processes (``tests.helpers.handle_engine``: an
 AiosyncEngine with staged module sinks behind the control channel) run the compat
 functions end to end.
 """
@@ -26,8 +26,8 @@ from aiosync.compat.distributed import (
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import ChannelHandle
 from aiosync.runtime import child_env, stop_process
-from tests.handle_peers import ROOT, engine_process, engine_processes
-from tests.models import digest, mixed_weights
+from tests.helpers.handle_peers import ROOT, engine_process, engine_processes
+from tests.helpers.models import digest, mixed_weights
 
 BUCKET = 128 * 1024
 
@@ -205,7 +205,7 @@ def test_trainer_killed_mid_broadcast_leaves_the_engine_on_its_previous_version(
         env = child_env()
         env.update(GLOO_SOCKET_IFNAME="lo", AIOSYNC_COLLECTIVE_BACKEND="gloo")
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "tests.handle_trainer", engine.endpoint],
+            [sys.executable, "-m", "tests.helpers.handle_trainer", engine.endpoint],
             stdout=subprocess.DEVNULL,
             env=env,
             cwd=ROOT,

@@ -1,6 +1,6 @@
 """NeMo-RL's own call pattern: the policy worker binds its REQ socket, the engine connects.
 
-The policy worker (``tests.nemo_rl_bind_worker.PolicyWorker``) makes a plain
+The policy worker (``tests.helpers.nemo_rl_bind_worker.PolicyWorker``) makes a plain
 ``zmq.Context().socket(zmq.REQ)``, binds it and calls the drop-in; the vLLM-shaped worker
 is a :class:`~aiosync.BackgroundReceiver` made with ``connect=``. Two sockets bound on one
 ``ipc://`` path are refused at once, naming the path, whichever side binds second.
@@ -27,8 +27,8 @@ from aiosync.channels import unix_listeners
 from aiosync.channels.unix_listeners import UnixListener, displaced, parse_diag
 from aiosync.compat import nemo_rl
 from tests.conftest import requires_cuda
-from tests.nemo_rl_bind_worker import PolicyWorker, empty_model, weights
-from tests.peer_processes import first, process
+from tests.helpers.nemo_rl_bind_worker import PolicyWorker, empty_model, weights
+from tests.helpers.peer_processes import first, process
 
 WAIT = 60.0  # seconds any step of these tests may take before it counts as hung
 
@@ -88,7 +88,7 @@ def test_a_bound_policy_socket_streams_to_a_connecting_vllm_worker_in_two_proces
     model = {name: tensor.to(device) for name, tensor in empty_model().items()}
     with BackgroundReceiver(model, connect=address) as vllm_worker:  # before the bind
         assert vllm_worker.endpoint == address
-        with process("tests.nemo_rl_bind_worker", address, "2", device) as policy:
+        with process("tests.helpers.nemo_rl_bind_worker", address, "2", device) as policy:
             assert first(policy, "bound")["address"] == address
             assert vllm_worker.wait_for_version(1, timeout=WAIT) == 1
             done = first(policy, "done")

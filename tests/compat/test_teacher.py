@@ -22,7 +22,7 @@ from aiosync.compat.teacher import (
 from aiosync.core.errors import AiosyncError
 from aiosync.runtime import child_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 CPU = torch.device("cpu")
 OWN_PREFIX = f"aiosync-{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}-"

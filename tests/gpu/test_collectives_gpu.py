@@ -20,8 +20,8 @@ from aiosync import AiosyncError, SenderConfig
 from aiosync.planes.collective import CollectiveOptions
 from aiosync.trainer.collective import CollectiveSender
 from tests.conftest import requires_two_gpus
-from tests.models import mixed_weights
-from tests.test_collectives_plane import Proc, digests, engines, processes
+from tests.helpers.models import mixed_weights
+from tests.processes.test_collectives_plane import Proc, digests, engines, processes
 
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 
@@ -98,9 +98,9 @@ async def test_nccl_frozen_engine_is_aborted_at_the_deadline_then_a_new_group_wo
 async def test_nccl_trainer_killed_mid_broadcast_leaves_the_engine_on_its_version() -> None:
     slow = ["--device", "cuda:1", "--slow-version", "1", "--delay", "1", "--timeout", "5"]
     with engines(slow) as (engine,):
-        with processes("tests.collective_trainer", ["--device", "cuda:0", engine.endpoint]) as (
-            trainer,
-        ):
+        with processes(
+            "tests.helpers.collective_trainer", ["--device", "cuda:0", engine.endpoint]
+        ) as (trainer,):
             assert (await trainer.until("sent"))["version"] == 0
             await engine.until("applying", version=1)
             trainer.proc.kill()

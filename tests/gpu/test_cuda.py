@@ -19,9 +19,9 @@ from aiosync.compat.nemo_rl import (
 from aiosync.planes.cuda_handles import ipc_handle_to_plain
 from aiosync.runtime import child_env
 from tests.conftest import requires_cuda
-from tests.models import digest, mixed_weights
-from tests.test_fleet import digests, engine_processes
-from tests.test_processes import next_event, peer
+from tests.helpers.models import digest, mixed_weights
+from tests.processes.test_fleet import digests, engine_processes
+from tests.processes.test_processes import next_event, peer
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])

@@ -15,8 +15,8 @@ import torch
 from aiosync.planes.cuda import CudaSenderPlane
 from aiosync.planes.cuda_counters import reached, wait_value, write_now, write_value
 from tests.conftest import requires_cuda
-from tests.peer_processes import first
-from tests.peer_processes import process as peer_process
+from tests.helpers.peer_processes import first
+from tests.helpers.peer_processes import process as peer_process
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -64,7 +64,7 @@ def test_an_engine_closing_its_plane_lets_go_of_its_own_stream_and_no_other() ->
         spec, word = plane.spec_for_link()
         assert (first_word, word) == (0, 1)
         hexed = msgspec.msgpack.encode(spec).hex()
-        with peer_process("tests.cuda_peers", "waiting_engine", "--spec", hexed) as engine:
+        with peer_process("tests.helpers.cuda_peers", "waiting_engine", "--spec", hexed) as engine:
             assert first(engine, "waiting")["pending"] is True  # the trainer never set 1
             closed = first(engine, "closed")  # the close let the copy go
             assert closed["copied"] == [7] * 16

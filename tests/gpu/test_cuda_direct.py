@@ -1,7 +1,7 @@
 """Direct mode on CUDA (issue 10, item 2): the engine process copies straight out of the
 trainer process's parameters; needs a GPU, skips without.
 
-Trainer and engine are processes (``tests/direct_peers.py``): CUDA cannot open a process's
+Trainer and engine are processes (``tests/helpers/direct_peers.py``): CUDA cannot open a process's
 own IPC handles.
 """
 
@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, ExitStack
 import pytest
 
 from tests.conftest import requires_cuda
-from tests.peer_processes import ROOT, ask, events, first, process
+from tests.helpers.peer_processes import ROOT, ask, events, first, process
 
 pytestmark = [pytest.mark.gpu, requires_cuda, pytest.mark.timeout(400)]
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -25,8 +25,8 @@ Event = dict[str, object]
 def peer(
     *argv: str, env: dict[str, str] | None = None, stdin: bool = False
 ) -> AbstractContextManager[subprocess.Popen[str]]:
-    """A ``tests.direct_peers`` process."""
-    return process("tests.direct_peers", *argv, env=env, stdin=stdin)
+    """A ``tests.helpers.direct_peers`` process."""
+    return process("tests.helpers.direct_peers", *argv, env=env, stdin=stdin)
 
 
 def endpoints(*engines: subprocess.Popen[str]) -> list[str]:

@@ -1,6 +1,6 @@
 """CUDA plane of own buffers chained by IPC events (issue 10); needs a GPU, skips without.
 
-Trainer and engines are processes (``tests/cuda_peers.py``): CUDA cannot open a process's
+Trainer and engines are processes (``tests/helpers/cuda_peers.py``): CUDA cannot open a process's
 own IPC handles.
 """
 
@@ -14,8 +14,8 @@ from contextlib import AbstractContextManager
 import pytest
 
 from tests.conftest import requires_cuda
-from tests.peer_processes import events, first
-from tests.peer_processes import process as peer_process
+from tests.helpers.peer_processes import events, first
+from tests.helpers.peer_processes import process as peer_process
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -24,8 +24,8 @@ EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 def process(
     *argv: str, env: dict[str, str] | None = None
 ) -> AbstractContextManager[subprocess.Popen[str]]:
-    """A ``tests.cuda_peers`` process."""
-    return peer_process("tests.cuda_peers", *argv, env=env)
+    """A ``tests.helpers.cuda_peers`` process."""
+    return peer_process("tests.helpers.cuda_peers", *argv, env=env)
 
 
 def run_pair(

@@ -140,9 +140,9 @@ def test_an_unordered_pack_returns_with_the_bytes_in_place() -> None:
 @pytest.mark.gpu
 @requires_cuda
 def test_an_engine_process_reads_an_unordered_plane_at_once_bit_exact() -> None:
-    from tests.models import digest
-    from tests.peer_processes import first
-    from tests.peer_processes import process as peer_process
+    from tests.helpers.models import digest
+    from tests.helpers.peer_processes import first
+    from tests.helpers.peer_processes import process as peer_process
 
     plane = cuda.CudaSenderPlane(torch.device("cuda:0"), 2, 1 << 20, ordered=False)
     try:
@@ -153,7 +153,7 @@ def test_an_engine_process_reads_an_unordered_plane_at_once_bit_exact() -> None:
         plane.pack(0, plan)
         hexed = msgspec.msgpack.encode(plane.spec).hex()
         argv = ("reader", "--spec", hexed, "--bytes", str(tensors["w"].nbytes))
-        with peer_process("tests.cuda_peers", *argv) as engine:
+        with peer_process("tests.helpers.cuda_peers", *argv) as engine:
             read = first(engine, "read")
             assert engine.wait(timeout=60) == 0
         assert read["events"] == []  # its ready says: the engine synchronised

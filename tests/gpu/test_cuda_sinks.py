@@ -9,8 +9,8 @@ import pytest
 
 from aiosync import SenderConfig, WeightSender
 from tests.conftest import requires_cuda
-from tests.models import mixed_weights
-from tests.test_fleet import digests, engine_processes
+from tests.helpers.models import mixed_weights
+from tests.processes.test_fleet import digests, engine_processes
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])

@@ -14,8 +14,8 @@ from aiosync.compat.distributed import (
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import ChannelHandle
 from tests.conftest import requires_two_gpus
-from tests.handle_peers import EngineProcess, engine_process
-from tests.models import digest, mixed_weights
+from tests.helpers.handle_peers import EngineProcess, engine_process
+from tests.helpers.models import digest, mixed_weights
 
 
 def _sync(engine: EngineProcess, handles: list[ChannelHandle], group: object, version: int) -> None:

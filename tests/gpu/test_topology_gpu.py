@@ -1,4 +1,4 @@
-"""The two-GPU colocated run (tests/colocate_gpu.py), and its scaled-down CPU twin in CI.
+"""The two-GPU colocated run (tests/helpers/colocate_gpu.py), and its scaled-down CPU twin in CI.
 
 Both start an engine process spanning two devices, served over aiosync's control channel
 (a :class:`~aiosync.handles.ChannelHandle` on the source rank), and two trainer processes
@@ -22,7 +22,7 @@ GUARD = 175  # seconds: the GPU run must finish unattended within 3 minutes
 
 def _run(*args: str) -> tuple[int, list[dict[str, Any]]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.colocate_gpu", *args],
+        [sys.executable, "-m", "tests.helpers.colocate_gpu", *args],
         stdout=subprocess.PIPE,
         text=True,
         env=child_env(),

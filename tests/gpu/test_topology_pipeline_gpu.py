@@ -1,4 +1,5 @@
-"""The native-pipeline colocated run on two GPUs (tests/colocate_pipeline_gpu.py), and its CPU twin.
+"""The native-pipeline colocated run on two GPUs (tests/helpers/colocate_pipeline_gpu.py),
+and its CPU twin.
 
 Both start an engine process (a WeightReceiver over a RankedSink with one sink per device)
 and two trainer ranks in a Gloo world, each sending its own shard through a
@@ -23,7 +24,7 @@ GUARD = 110  # seconds: the driver gives up after 90 on its own
 
 def _run(*args: str) -> tuple[int, list[dict[str, Any]]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.colocate_pipeline_gpu", *args],
+        [sys.executable, "-m", "tests.helpers.colocate_pipeline_gpu", *args],
         stdout=subprocess.PIPE,
         text=True,
         env=child_env(),

@@ -1,4 +1,5 @@
-"""An engine process for the collective tests: ``python -m tests.collective_engine [options]``.
+"""An engine process for the collective tests:
+``python -m tests.helpers.collective_engine [options]``.
 
 A plain :class:`aiosync.WeightReceiver` over ``mixed_weights`` shapes (zeros at start); the
 trainer's hello makes it join the broadcast group. Prints JSON lines: ``ready`` (endpoint),
@@ -21,8 +22,8 @@ import torch
 from aiosync import ModuleSink, ReceiverConfig, WeightReceiver
 from aiosync.core.layout import TensorSpec
 from aiosync.runtime import run
-from tests.fleet_engine import emit
-from tests.models import digest, mixed_weights
+from tests.helpers.fleet_engine import emit
+from tests.helpers.models import digest, mixed_weights
 
 
 class PacedSink(ModuleSink):

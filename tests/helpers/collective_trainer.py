@@ -1,4 +1,5 @@
-"""A trainer process for the collective tests: ``python -m tests.collective_trainer E1 E2...``.
+"""A trainer process for the collective tests:
+``python -m tests.helpers.collective_trainer E1 E2...``.
 
 Opens a :class:`~aiosync.trainer.collective.CollectiveSender` to the engines (Gloo, 3 s
 timeouts), sends ``mixed_weights(seed=1)`` as version 0, prints ``{"event": "sent"}``, then
@@ -17,7 +18,7 @@ from aiosync import SenderConfig
 from aiosync.planes.collective import CollectiveOptions
 from aiosync.runtime import run
 from aiosync.trainer.collective import CollectiveSender
-from tests.models import mixed_weights
+from tests.helpers.models import mixed_weights
 
 
 def main() -> None:

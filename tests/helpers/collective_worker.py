@@ -1,4 +1,5 @@
-"""A helper process for the collectives tests: ``python -m tests.collective_worker MODE ...``.
+"""A helper process for the collectives tests:
+``python -m tests.helpers.collective_worker MODE ...``.
 
 Modes (each prints JSON lines):
 

@@ -1,6 +1,6 @@
 """The two-GPU colocated run: 2 trainer ranks, one engine spanning both GPUs, CUDA IPC.
 
-``python -m tests.colocate_gpu [--versions N] [--bucket-mb MB]`` starts one engine process
+``python -m tests.helpers.colocate_gpu [--versions N] [--bucket-mb MB]`` starts one engine process
 (a :class:`~aiosync.topology.ColocatedReceiver` with a sink on cuda:0 and one on cuda:1,
 served over aiosync's control channel) and two trainer processes (Gloo world of 2, rank r on
 cuda:r) holding Llama-3-8B shapes in bf16 (291 tensors, 16.06 GB each). Each version the
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from aiosync.bench.model import LLAMA3_8B, llama_layout
-from tests.colocate_procs import Children, loopback_env, role_parser, skip_without_two_gpus
+from tests.helpers.colocate_procs import Children, loopback_env, role_parser, skip_without_two_gpus
 
 GUARD = 170.0  # seconds for the whole run: it must finish unattended in under 3 minutes
 
@@ -183,7 +183,7 @@ def drive(versions: int, bucket_mb: float) -> int:
     env["AIOSYNC_COLOCATE_TINY"] = "1" if TINY else "0"
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     deadline = time.monotonic() + GUARD
-    with Children("tests.colocate_gpu", env=env) as children:
+    with Children("tests.helpers.colocate_gpu", env=env) as children:
         started: list[dict[str, Any]] = []
         engine = children.start_engine(started.append)
         while not started and engine.poll() is None and time.monotonic() < deadline:

@@ -1,4 +1,5 @@
-"""The native-pipeline scenarios of the colocated-topology worker (tests/colocate_worker.py).
+"""The native-pipeline scenarios of the colocated-topology worker
+(tests/helpers/colocate_worker.py).
 
 Every rank sends its own shard (a model seeded by the version and the rank's place in its
 engine's range); each engine is a :class:`~aiosync.WeightReceiver` over a

@@ -1,6 +1,6 @@
 """Two trainer ranks and one engine spanning both GPUs, through the native pipeline.
 
-``python -m tests.colocate_pipeline_gpu [--versions N] [--tiny]`` starts one engine process
+``python -m tests.helpers.colocate_pipeline_gpu [--versions N] [--tiny]`` starts one engine process
 (a :class:`~aiosync.WeightReceiver` over a :class:`~aiosync.topology.RankedSink` with a
 :class:`~aiosync.ModuleSink` on cuda:0 and one on cuda:1) and two trainer processes (a Gloo
 world of 2 over loopback, rank r on cuda:r) that send their own shard of a small Llama
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from aiosync.bench.model import llama_layout
-from tests.colocate_procs import Children, loopback_env, role_parser, skip_without_two_gpus
+from tests.helpers.colocate_procs import Children, loopback_env, role_parser, skip_without_two_gpus
 
 GUARD = 90.0  # seconds for the whole run (it takes well under 60 on two GPUs)
 GPU_DIMS = (256, 64, 512, 1000, 2)  # about 3.3 MB per rank in bf16
@@ -149,7 +149,7 @@ def drive(versions: int, tiny: bool) -> int:
     tiny_argv = ["--tiny"] if tiny else []
     deadline = time.monotonic() + GUARD
     began = time.monotonic()
-    with Children("tests.colocate_pipeline_gpu", *tiny_argv, env=env) as children:
+    with Children("tests.helpers.colocate_pipeline_gpu", *tiny_argv, env=env) as children:
         from_engine: queue.Queue[dict[str, Any]] = queue.Queue()
         children.start_engine(from_engine.put)
         try:

@@ -1,6 +1,6 @@
 """One trainer rank of the colocated-topology tests: Gloo on the CPU, commands on stdin.
 
-Started ``python -m tests.colocate_worker RANK WORLD STORE_FILE``. It joins a Gloo world
+Started ``python -m tests.helpers.colocate_worker RANK WORLD STORE_FILE``. It joins a Gloo world
 through a file store, then runs one scenario per JSON line read from stdin (every rank
 reads the same line) and answers with one JSON line on stdout. Engines live in the process
 of their source rank: a :class:`~aiosync.topology.ColocatedReceiver` with one
@@ -101,7 +101,7 @@ def ray_engine(count: int, name: str) -> Any:
     import ray
 
     if not ray.is_initialized():
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         ray.init(
             num_cpus=1,
             include_dashboard=False,
@@ -238,8 +238,10 @@ def main() -> None:
         if cmd.get("op") == "exit":
             break
         try:
-            if cmd.get("op") == "pipeline":  # the native pipeline (tests/colocate_pipeline.py)
-                from tests.colocate_pipeline import pipeline_scenario
+            if (
+                cmd.get("op") == "pipeline"
+            ):  # the native pipeline (tests/helpers/colocate_pipeline.py)
+                from tests.helpers.colocate_pipeline import pipeline_scenario
 
                 result = pipeline_scenario(cmd, STATE)
             else:

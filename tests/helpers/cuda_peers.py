@@ -1,4 +1,4 @@
-"""Trainer and engine processes for the CUDA tests: ``python -m tests.cuda_peers ROLE ...``.
+"""Trainer and engine processes for the CUDA tests: ``python -m tests.helpers.cuda_peers ROLE ...``.
 
 Both build the same named tensors (:func:`weights`): bf16, fp16, fp32, int8 and fp8, one
 tensor larger than a buffer, one non-contiguous and one on the CPU (the trainer's side; the
@@ -28,7 +28,7 @@ import torch
 from aiosync import ModuleSink, ReceiverConfig, SenderConfig, WeightReceiver, WeightSender
 from aiosync.core.layout import TensorSpec
 from aiosync.runtime import run
-from tests.models import digest
+from tests.helpers.models import digest
 
 SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 BUFFER = 4 << 20

@@ -1,12 +1,12 @@
 """Trainer and engine processes for the CUDA direct-mode tests.
 
-``python -m tests.direct_peers engine`` serves a model of :func:`shapes` on ``cuda:0``; it
+``python -m tests.helpers.direct_peers engine`` serves a model of :func:`shapes` on ``cuda:0``; it
 prints ``ready`` (endpoint) and ``committed`` (version, digests) after each commit.
 ``--staged`` stages each version (a failed one leaves the last intact); ``--die-in-version
-V`` exits (``os._exit(9)``, :class:`tests.cuda_peers.DyingSink`) while applying version V's
+V`` exits (``os._exit(9)``, :class:`tests.helpers.cuda_peers.DyingSink`) while applying version V's
 second region; ``--answer`` prints ``state`` (current version, digests) for each line on
 its stdin.
-``python -m tests.direct_peers trainer --endpoint E [--endpoint E2] --versions N`` holds a
+``python -m tests.helpers.direct_peers trainer --endpoint E [--endpoint E2] --versions N`` holds a
 :class:`Net` on ``cuda:0`` (bf16 and fp32 parameters), steps it in place on a side stream
 before each version and sends its parameters in direct mode together with two temporaries
 (a cast and a fresh tensor); right after each send returns it changes every parameter
@@ -32,8 +32,8 @@ import torch
 from aiosync import ModuleSink, ReceiverConfig, SenderConfig, WeightReceiver, WeightSender
 from aiosync.core.errors import AiosyncError
 from aiosync.runtime import run
-from tests.cuda_peers import DyingSink
-from tests.models import digest
+from tests.helpers.cuda_peers import DyingSink
+from tests.helpers.models import digest
 
 
 def emit(event: str, **fields: object) -> None:

@@ -1,4 +1,4 @@
-"""An engine process for the fleet tests: ``python -m tests.fleet_engine [options]``.
+"""An engine process for the fleet tests: ``python -m tests.helpers.fleet_engine [options]``.
 
 It serves ``mixed_weights`` shapes (zeros at start) from a private endpoint and prints JSON
 lines: ``ready`` (with the endpoint), ``applying`` before each bucket (with ``--delay``
@@ -22,7 +22,7 @@ import torch
 from aiosync import ModuleSink, ReceiverConfig, WeightReceiver
 from aiosync.core.layout import TensorSpec
 from aiosync.runtime import run
-from tests.models import digest, mixed_weights
+from tests.helpers.models import digest, mixed_weights
 
 
 def emit(event: str, **fields: object) -> None:

@@ -1,4 +1,4 @@
-"""Benchmark of the compat broadcast path over NCCL: ``python -m tests.handle_bench``.
+"""Benchmark of the compat broadcast path over NCCL: ``python -m tests.helpers.handle_bench``.
 
 Trainer (this thread, GPU 0) and an in-process AiosyncEngine (GPU 1, in-place or staged
 ModuleSink) joined by connect_rollout_engines_from_distributed; Llama-3-8B shapes in bf16

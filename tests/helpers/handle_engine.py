@@ -1,4 +1,4 @@
-"""An engine process for the handle tests: ``python -m tests.handle_engine [options]``.
+"""An engine process for the handle tests: ``python -m tests.helpers.handle_engine [options]``.
 
 It holds ``mixed_weights`` shapes (zeros at start), one staged ModuleSink per rank
 (``--ranks``), in an :class:`AiosyncEngine` served over a private ipc:// control channel,
@@ -27,7 +27,7 @@ from aiosync.core.layout import TensorSpec
 from aiosync.handles import ObjectHandle, serve_engine
 from aiosync.handles.engine import AiosyncEngine
 from aiosync.runtime import run
-from tests.models import digest, mixed_weights
+from tests.helpers.models import digest, mixed_weights
 
 _out = threading.Lock()
 

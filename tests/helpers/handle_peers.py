@@ -15,11 +15,11 @@ from typing import Any
 from aiosync.runtime import child_env, stop_process
 
 GUARD = 60.0  # seconds: a hang guard only, never a measured bound
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class EngineProcess:
-    """A running ``tests.handle_engine`` and the JSON events it printed."""
+    """A running ``tests.helpers.handle_engine`` and the JSON events it printed."""
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
@@ -72,7 +72,7 @@ class EngineProcess:
 
 @contextmanager
 def engine_process(*args: str) -> Iterator[EngineProcess]:
-    """``python -m tests.handle_engine ARGS``, ready; its stdin is closed and it is reaped."""
+    """``python -m tests.helpers.handle_engine ARGS``, ready; its stdin is closed, it is reaped."""
     with _started(*args) as engine:
         yield engine.ready()
 
@@ -90,7 +90,7 @@ def _started(*args: str) -> Iterator[EngineProcess]:
     env = child_env()
     env["GLOO_SOCKET_IFNAME"] = "lo"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.handle_engine", *args],
+        [sys.executable, "-m", "tests.helpers.handle_engine", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

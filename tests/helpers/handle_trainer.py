@@ -1,4 +1,4 @@
-"""A trainer process for the handle tests: ``python -m tests.handle_trainer ENDPOINT``.
+"""A trainer process for the handle tests: ``python -m tests.helpers.handle_trainer ENDPOINT``.
 
 Connects to the engine served at ENDPOINT through the compat functions (Gloo), sends
 version 1 (``mixed_weights(1)``) whole, then starts version 2 and dies (``os._exit``)
@@ -19,7 +19,7 @@ from aiosync.compat.distributed import (
 )
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import ChannelHandle, transfer
-from tests.models import mixed_weights
+from tests.helpers.models import mixed_weights
 
 
 def emit(event: str) -> None:

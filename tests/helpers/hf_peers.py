@@ -1,6 +1,7 @@
-"""A trainer and an engine around a tiny Hugging Face causal LM, for tests/test_hf_serving.py.
+"""A trainer and an engine around a tiny Hugging Face causal LM, for
+tests/processes/test_hf_serving.py.
 
-Run as ``python -m tests.hf_peers trainer|engine --endpoint ... [--model llama|gpt2]``; each
+Run as ``python -m tests.helpers.hf_peers trainer|engine --endpoint ... [--model llama|gpt2]``; each
 prints JSON lines. The model is built from a config with a fixed seed (nothing is
 downloaded): a Llama with separate embeddings and head, or a GPT-2 whose ``lm_head.weight``
 is tied to ``transformer.wte.weight`` (its ``state_dict()`` has both names).

@@ -1,4 +1,4 @@
-"""An engine process that watches its own event loop: ``python -m tests.loop_engine N V``.
+"""An engine process that watches its own event loop: ``python -m tests.helpers.loop_engine N V``.
 
 It holds N one-element tensors, runs a 1 ms heartbeat beside its receiver, and after each
 of V commits prints the longest gap between heartbeats and the time since the previous

@@ -1,6 +1,7 @@
 """A NeMo-RL-shaped policy worker: binds its REQ socket and streams through the drop-in.
 
-``python -m tests.nemo_rl_bind_worker ADDRESS STEPS [DEVICE]`` binds a REQ socket at ``ADDRESS`` as
+``python -m tests.helpers.nemo_rl_bind_worker ADDRESS STEPS [DEVICE]`` binds a REQ socket at
+``ADDRESS`` as
 NeMo-RL's policy worker does (``zmq.Context().socket(zmq.REQ)``, its timeouts, ``bind``),
 streams :func:`weights` of steps ``0 .. STEPS-1`` with ``stream_weights_via_ipc_zmq_impl``
 and prints one JSON event a line: ``bound``, ``streamed`` (per step), then ``done`` or

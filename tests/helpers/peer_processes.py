@@ -1,6 +1,7 @@
 """Peer processes for the tests: start ``python -m MODULE ROLE ...``, read its events.
 
-A peer module (``tests.cuda_peers``, ``tests.direct_peers``) prints one JSON object a line,
+A peer module (``tests.helpers.cuda_peers``, ``tests.helpers.direct_peers``) prints one JSON
+object a line,
 each with an ``event`` key; :func:`process` starts one with stdout piped (and stdin too,
 with ``stdin=True``) and kills it, if still running, when the block ends.
 """
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextmanager

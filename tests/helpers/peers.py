@@ -1,6 +1,6 @@
 """Trainer and engine processes for the tests that kill a peer mid-stream.
 
-Run as ``python -m tests.peers engine|trainer --endpoint ...``; each prints JSON lines.
+Run as ``python -m tests.helpers.peers engine|trainer --endpoint ...``; each prints JSON lines.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from aiosync import CallbackSink, ModuleSink, SenderConfig, WeightReceiver, WeightSender
 from aiosync.runtime import run
-from tests.models import digest, mixed_weights
+from tests.helpers.models import digest, mixed_weights
 
 
 def emit(event: str, **fields: object) -> None:

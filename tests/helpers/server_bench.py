@@ -1,6 +1,6 @@
 """The server benchmark (issue 12): one publisher, N subscriber processes, V versions.
 
-Run: ``python -m tests.server_bench --size-mb 256 --versions 20 --engines 8``. In one run
+Run: ``python -m tests.helpers.server_bench --size-mb 256 --versions 20 --engines 8``. In one run
 it measures, on this machine:
 
 1. the publisher's seconds per version straight to one engine process (the baseline);
@@ -37,7 +37,7 @@ from aiosync.server import RetentionPolicy, ServerClient
 from aiosync.server.relay import Relay
 from aiosync.server.store import RetentionStore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WAIT = 600.0
 RELAY_VERSIONS = 5
 
@@ -132,7 +132,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.engines):
             sub = spawn(
                 "-m",
-                "tests.server_engine",
+                "tests.helpers.server_engine",
                 "--control",
                 control,
                 "--name",
@@ -168,7 +168,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         # 4. a late joiner
         late = spawn(
             "-m",
-            "tests.server_engine",
+            "tests.helpers.server_engine",
             "--control",
             control,
             "--name",
@@ -245,7 +245,7 @@ async def relay_and_raw(
     with zmq.asyncio.Context() as ctx, ctx.socket(zmq.PULL) as sock:
         sock.bind("tcp://127.0.0.1:0")
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        raw = spawn("-m", "tests.server_raw_tcp", endpoint, str(total))
+        raw = spawn("-m", "tests.helpers.server_raw_tcp", endpoint, str(total))
         procs.append(raw)
         received = len(await sock.recv(copy=False))
         started = time.perf_counter()

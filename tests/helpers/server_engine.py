@@ -1,6 +1,6 @@
 """A subscriber engine process for the server's tests and benchmark.
 
-Run as ``python -m tests.server_engine --control ENDPOINT --name NAME [--size-mb N]``.
+Run as ``python -m tests.helpers.server_engine --control ENDPOINT --name NAME [--size-mb N]``.
 It holds a zeroed synthetic Llama-shaped model (``aiosync.bench.model``), subscribes, and
 prints JSON lines: ``ready`` once subscribed, ``committed`` per version (with the seconds
 since it subscribed), and ``digest`` (of the whole model) when it reaches ``--until``. A

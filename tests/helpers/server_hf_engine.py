@@ -1,7 +1,7 @@
 """An engine that subscribes to a weight server and serves a tiny Hugging Face causal LM.
 
-Run as ``python -m tests.server_hf_engine --control ENDPOINT --name NAME``. It builds the
-model of :mod:`tests.hf_peers` (random init, nothing downloaded), subscribes with a staged
+Run as ``python -m tests.helpers.server_hf_engine --control ENDPOINT --name NAME``. It builds the
+model of :mod:`tests.helpers.hf_peers` (random init, nothing downloaded), subscribes with a staged
 :class:`~aiosync.ModuleSink`, and once a first version is live runs greedy-generation
 requests back to back, each inside a read lease in a worker thread, printing ``request``
 (prompt, output, version) for each until stdin closes; then ``finished``. With
@@ -20,7 +20,7 @@ import anyio
 from aiosync import ModuleSink
 from aiosync.runtime import run
 from aiosync.server import Subscriber
-from tests.hf_peers import VOCAB, build_model, deterministic, emit, generate
+from tests.helpers.hf_peers import VOCAB, build_model, deterministic, emit, generate
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The raw baseline for the relay benchmark: send N bytes over plain ZMQ tcp.
 
-Run as ``python -m tests.server_raw_tcp ENDPOINT BYTES``: connects a PUSH socket to
+Run as ``python -m tests.helpers.server_raw_tcp ENDPOINT BYTES``: connects a PUSH socket to
 ``ENDPOINT`` (the benchmark's PULL, loopback) and sends ``BYTES`` in 4 MiB messages from
 one buffer, as fast as ZMQ takes them.
 """

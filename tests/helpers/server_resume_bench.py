@@ -1,6 +1,6 @@
 """What engine resume costs and saves, in one process (docs/server.md, "Engine resume").
 
-Run as ``python -m tests.server_resume_bench [--size-mb 256] [--repeats 3]``. One server
+Run as ``python -m tests.helpers.server_resume_bench [--size-mb 256] [--repeats 3]``. One server
 takes each version a publisher sends; a subscriber takes them (no resume, resume in
 memory, resume in a directory: median seconds from the server holding a version to the
 engine committing it), then one whose first transfer breaks halfway resumes. Prints one
@@ -23,7 +23,7 @@ from aiosync import ModuleSink, SenderConfig, WeightSender
 from aiosync.bench.model import synthetic_state_dict
 from aiosync.runtime import run
 from aiosync.server import ServerConfig, Subscriber, WeightServer
-from tests.test_server_resume import buckets_of, dropping_once, subscribed, until
+from tests.api.test_server_resume import buckets_of, dropping_once, subscribed, until
 
 WAIT = 600.0
 

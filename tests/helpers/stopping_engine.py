@@ -1,6 +1,6 @@
 """An engine process that stops itself before one message of each version.
 
-``python -m tests.stopping_engine`` serves twelve float32[4096] tensors through a staged
+``python -m tests.helpers.stopping_engine`` serves twelve float32[4096] tensors through a staged
 sink and prints JSON lines: ``ready`` (with its endpoint); ``stopping`` just before the
 engine takes message ``v`` of version ``v`` (1: the begin, then each bucket, the completion
 and the commit), as it sends itself SIGSTOP, for every version but 0 (the test sends

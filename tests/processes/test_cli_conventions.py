@@ -19,7 +19,7 @@ from aiosync.cli.args import build_parser
 from aiosync.cli.checks import MAX_MIB, MiB, model_size_problem
 from aiosync.runtime import child_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = sorted(_commands())
 
 

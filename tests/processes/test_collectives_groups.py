@@ -31,7 +31,7 @@ from aiosync.collectives import (
 from aiosync.collectives.ops import broadcast
 from aiosync.collectives.rendezvous import is_token, valid_host
 from aiosync.core.errors import PeerGoneError, SyncTimeoutError, UsageError
-from tests.peer_processes import process
+from tests.helpers.peer_processes import process
 
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 
@@ -47,8 +47,11 @@ def hosted_peer(token: str, name: str) -> Iterator[tuple[HostedStore, subprocess
 
 
 def worker(*argv: str, stdin: bool = False) -> AbstractContextManager[subprocess.Popen[str]]:
-    """One ``tests.collective_worker`` process (Gloo on loopback), killed and reaped at the end."""
-    return process("tests.collective_worker", *argv, env={"GLOO_SOCKET_IFNAME": "lo"}, stdin=stdin)
+    """One ``tests.helpers.collective_worker`` process (Gloo on loopback), killed and reaped at
+    the end."""
+    return process(
+        "tests.helpers.collective_worker", *argv, env={"GLOO_SOCKET_IFNAME": "lo"}, stdin=stdin
+    )
 
 
 def event(proc: subprocess.Popen[str]) -> dict[str, object]:

@@ -28,9 +28,9 @@ from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.planes.collective import CollectiveOptions, CollectiveReceiverPlane, check_spec
 from aiosync.runtime import child_env
 from aiosync.trainer.collective import CollectiveSender
-from tests.models import digest, mixed_weights
+from tests.helpers.models import digest, mixed_weights
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 SMALL = 64 * 1024  # mixed_weights spans several buckets (its largest tensor is chunked)
 
@@ -100,7 +100,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 @contextmanager
 def engines(*argvs: list[str]) -> Iterator[list[Proc]]:
-    with processes("tests.collective_engine", *argvs) as started:
+    with processes("tests.helpers.collective_engine", *argvs) as started:
         for engine in started:
             assert engine.proc.stdout is not None
             ready = json.loads(engine.proc.stdout.readline())
@@ -215,7 +215,7 @@ async def test_a_trainer_killed_mid_broadcast_leaves_engines_on_their_version() 
     slow = ["--slow-version", "1", "--delay", "1", "--timeout", "5"]
     with engines(slow, ["--timeout", "5"]) as pair:
         args = [e.endpoint for e in pair]
-        with processes("tests.collective_trainer", args) as (trainer,):
+        with processes("tests.helpers.collective_trainer", args) as (trainer,):
             assert (await trainer.until("sent"))["version"] == 0
             await pair[0].until("applying", version=1)
             trainer.proc.kill()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from benchmarks.timeline_view import BUCKET_COLUMNS, render, timeline
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_tool_traces_every_bucket_of_a_cpu_stream(tmp_path: Path) -> None:

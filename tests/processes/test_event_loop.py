@@ -27,9 +27,9 @@ from aiosync.core.layout_memory import LayoutMemory
 from aiosync.core.wire import Begin, Bucket, Complete
 from aiosync.planes.shm import ShmSenderPlane
 from aiosync.runtime import child_env
-from tests.loop_engine import heartbeat, small_tensors
+from tests.helpers.loop_engine import heartbeat, small_tensors
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,7 +103,7 @@ async def test_per_tensor_steps_run_off_the_event_loop(monkeypatch: pytest.Monke
 def test_heartbeats_keep_ticking_while_100k_tensors_stream() -> None:
     count, versions = 100_000, 3
     engine = subprocess.Popen(
-        [sys.executable, "-m", "tests.loop_engine", str(count), str(versions)],
+        [sys.executable, "-m", "tests.helpers.loop_engine", str(count), str(versions)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

@@ -17,9 +17,9 @@ import torch
 
 from aiosync import PeerGoneError, Policy, RejectedError, SenderConfig, WeightSender
 from aiosync.runtime import child_env
-from tests.models import digest, mixed_weights
+from tests.helpers.models import digest, mixed_weights
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = SenderConfig(buffer_bytes=64 * 1024, timeout=30)
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 
@@ -50,7 +50,7 @@ def engine_processes(*argvs: list[str]) -> Iterator[list[Engine]]:
         engines = []
         for argv in argvs:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.fleet_engine", *argv],
+                [sys.executable, "-m", "tests.helpers.fleet_engine", *argv],
                 stdout=subprocess.PIPE,
                 text=True,
                 cwd=ROOT,

@@ -19,12 +19,12 @@ from aiosync.compat.distributed import (
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
 from aiosync.handles import RayActorHandle, as_engine_handle
 from aiosync.handles.engine import AiosyncEngine
-from tests.models import digest, mixed_weights
-from tests.ray_lock import LockActor, SlowEngine
+from tests.helpers.models import digest, mixed_weights
+from tests.helpers.ray_lock import LockActor, SlowEngine
 
 ray = pytest.importorskip("ray")
 
-ROOT = str(Path(__file__).resolve().parent.parent)
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class EngineActor(AiosyncEngine):

@@ -4,7 +4,7 @@ A trainer process takes SGD steps on a tiny model (random init, nothing download
 each version's weights and streams it; an engine process serves greedy generation through
 read leases from its asyncio loop, with several requests in flight throughout. Every
 request's output is then recomputed here from the saved weights of the version it
-reported, with the same settings, and must be equal (see tests/hf_peers.py). Two cases: a
+reported, with the same settings, and must be equal (see tests/helpers/hf_peers.py). Two cases: a
 Llama made live by copy swap, and a GPT-2 (``lm_head.weight`` tied to the embedding) made
 live by pointer swap.
 """
@@ -28,9 +28,9 @@ import torch
 
 from aiosync.channels.zmq import private_ipc_endpoint
 from aiosync.runtime import child_env, stop_process
-from tests.hf_peers import build_model, deterministic, generate
+from tests.helpers.hf_peers import build_model, deterministic, generate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PER_VERSION = 2  # requests reporting a version before the trainer takes its next step
 HANG = 90.0  # seconds: a hang guard per event only; events normally come within a second
 
@@ -41,7 +41,7 @@ Events = queue.Queue[tuple[str, dict[str, Any] | None]]
 def peer(role: str, events: Events, *argv: str) -> Iterator[subprocess.Popen[str]]:
     """A peer process whose JSON lines land in ``events`` as ``(role, event)``; None at EOF."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.hf_peers", role, *argv],
+        [sys.executable, "-m", "tests.helpers.hf_peers", role, *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -33,16 +33,16 @@ from aiosync.channels.zmq import private_ipc_endpoint
 from aiosync.compat.nemo_rl import stream_weights_via_ipc_zmq_impl
 from aiosync.core.wire import Abort, decode
 from aiosync.runtime import child_env
-from tests.models import assert_same, mixed_weights, zeros_like
+from tests.helpers.models import assert_same, mixed_weights, zeros_like
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 only_asyncio = pytest.mark.asyncio(loop_factories=["asyncio"])
 
 
 @contextmanager
 def peer(role: str, *argv: str) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.peers", role, *argv],
+        [sys.executable, "-m", "tests.helpers.peers", role, *argv],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

@@ -1,8 +1,8 @@
 """End to end through the server with a real Hugging Face causal LM (issue 12, item 9).
 
-A trainer process (tests/hf_peers.py) steps a tiny random-init Llama, saves each version's
+A trainer process (tests/helpers/hf_peers.py) steps a tiny random-init Llama, saves each version's
 weights and publishes it to an embedded :class:`WeightServer`; engine processes
-(tests/server_hf_engine.py) generate greedily with the weights they receive: one from the
+(tests/helpers/server_hf_engine.py) generate greedily with the weights they receive: one from the
 start (killed outright mid-run and restarted: a new process subscribes after the kill),
 one joining late. The joining processes start early and subscribe when told, since
 importing torch and transformers takes seconds. Every output is then
@@ -30,9 +30,9 @@ import torch
 
 from aiosync.runtime import child_env, stop_process
 from aiosync.server import ServerConfig, WeightServer
-from tests.hf_peers import build_model, deterministic, generate
+from tests.helpers.hf_peers import build_model, deterministic, generate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HANG = 90.0
 VERSIONS = 5
 LATE_AT, RESTART_AT = 1, 3
@@ -110,7 +110,7 @@ async def run_fleet(tmp_path: Path) -> None:
         with ExitStack() as stack:
 
             def engine(name: str, *extra: str) -> Peer:
-                argv = ("tests.server_hf_engine", "--control", server.control_endpoint)
+                argv = ("tests.helpers.server_hf_engine", "--control", server.control_endpoint)
                 peer = Peer(name, events, *argv, "--name", name, "--seed", str(len(name)), *extra)
                 stack.callback(peer.close)
                 return peer
@@ -122,7 +122,7 @@ async def run_fleet(tmp_path: Path) -> None:
             trainer = Peer(
                 "trainer",
                 events,
-                "tests.hf_peers",
+                "tests.helpers.hf_peers",
                 "trainer",
                 "--endpoint",
                 server.publish_endpoint,

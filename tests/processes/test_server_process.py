@@ -21,10 +21,10 @@ from aiosync import ModuleSink, SenderConfig, WeightSender
 from aiosync.core.errors import PeerGoneError, UsageError
 from aiosync.private_dirs import creator_pid
 from aiosync.server import ServerConfig, Subscriber, WeightServer
-from tests.test_server import empty, model, same
+from tests.api.test_server import empty, model, same
 
 WAIT = 30.0
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def private_dirs_of(pid: int) -> list[Path]:

@@ -1,6 +1,6 @@
 """Colocated topologies across 4 trainer processes (Gloo on the CPU, memfds for CUDA IPC).
 
-The four ranks start once for the module (tests/colocate_worker.py); each test sends them
+The four ranks start once for the module (tests/helpers/colocate_worker.py); each test sends them
 one scenario and reads one answer per rank. Engines live in their source rank's process.
 """
 
@@ -31,7 +31,14 @@ class World:
     def __init__(self, store: Path) -> None:
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "tests.colocate_worker", str(r), str(WORLD), str(store)],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.helpers.colocate_worker",
+                    str(r),
+                    str(WORLD),
+                    str(store),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

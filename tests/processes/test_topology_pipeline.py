@@ -1,6 +1,7 @@
 """A colocated topology on the native pipeline, across 4 Gloo trainer processes on the CPU.
 
-The four ranks (tests/colocate_worker.py, scenarios in tests/colocate_pipeline.py) start
+The four ranks (tests/helpers/colocate_worker.py, scenarios in
+tests/helpers/colocate_pipeline.py) start
 once for the module; engines are WeightReceivers over a RankedSink in their source rank's
 process, reading every rank's own memfds through a gathered plane.
 """
@@ -35,7 +36,7 @@ from aiosync.engine.sinks import ModuleSink
 from aiosync.planes.gathered import GatheredReceiverPlane, part_devices, part_of, split_name
 from aiosync.topology.plans import plan_rank, union_plans
 from aiosync.topology.sink import RankedSink
-from tests.test_topology_gloo import WORLD, World
+from tests.processes.test_topology_gloo import WORLD, World
 
 GROUP_TIMEOUT = 120
 

@@ -1,5 +1,5 @@
 """Pieces of a version's fixed cost, one at a time (no engine process; see
-tests/test_version_fixed_cost.py for whole versions).
+tests/api/test_version_fixed_cost.py for whole versions).
 
 - the ``begin`` encoded from the manifest's kept bytes is the same message, byte for byte;
 - an engine takes an unchanged manifest and a count-only completion check as light work
@@ -37,7 +37,7 @@ from aiosync.core.wire import (
 from aiosync.pipeline.begin import _MANIFESTS, _RawBegin, encode_begin
 from aiosync.pipeline.stream import StreamRun
 from aiosync.pipeline.version_spec import VersionSpec
-from tests.test_engine_session import (
+from tests.unit.test_engine_session import (
     MANIFEST,
     PEER,
     ack_of,

@@ -31,7 +31,7 @@ from aiosync.core.wire import (
     spoken,
 )
 from aiosync.planes.collective import CollectiveOptions
-from tests.test_engine_session import (
+from tests.unit.test_engine_session import (
     MANIFEST,
     PEER,
     SESSION,

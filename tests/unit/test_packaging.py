@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("aiosync", "tests", "examples")
 #: Always counts as declared: a CUDA machine may bring its own build of it.
 ALWAYS_DECLARED = {"torch"}

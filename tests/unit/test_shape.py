@@ -1,7 +1,7 @@
 """The package's shape (issue 27), as ``python -m benchmarks.shape`` counts it, can only improve.
 
 Zero capability lookups by name on planes and sinks are held by
-``tests/test_declared_interfaces.py``; the rest is here.
+``tests/unit/test_declared_interfaces.py``; the rest is here.
 """
 
 from __future__ import annotations
