@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -44,6 +45,7 @@ from aiosync.compat.errors import (
 )
 from aiosync.core.errors import SyncTimeoutError
 from aiosync.handles import EngineHandle, as_engine_handles, fleet
+from aiosync.handles.caller_buckets import CallerBuckets
 from aiosync.handles.ray_actor import is_ray_actor
 from aiosync.handles.results import failures
 from aiosync.runtime import unwrap_group
@@ -116,8 +118,13 @@ def _loop() -> BlockingPortal:
 
 def _run(main: Callable[[], Awaitable[T]]) -> T:
     """Run ``main()`` on the background loop and return its result, errors translated."""
+    return _translated(lambda: _loop().call(main))
+
+
+def _translated(result: Callable[[], T]) -> T:
+    """``result()``, its errors raised as NeMo-RL's types (see :mod:`aiosync.compat.errors`)."""
     try:
-        return _loop().call(main)
+        return result()
     except Exception as exc:
         cause = unwrap_group(exc)
         compat = translate(cause) if isinstance(cause, Exception) else cause
@@ -284,7 +291,9 @@ def broadcast_hf_buckets_via_distributed_impl(
     Per bucket, with ``rollout_engine_lock`` held: the tensors' names, dtypes and shapes go
     to every engine (``update_weights_from_distributed``), rank 0 broadcasts each tensor
     (or the packed bucket, see ``AIOSYNC_BROADCAST_FORMAT``), and every engine's answer is
-    checked as :func:`check_weight_sync_results` does. One deadline covers the whole call;
+    checked as :func:`check_weight_sync_results` does; the next bucket is read only then.
+    The buckets are read in the caller's thread; the version streams through aiosync's
+    one send loop on the background event loop. One deadline covers the whole call;
     an engine that dies or stalls ends it with an error naming that engine. Any failure
     breaks the group: disconnect and connect again. Engines keep their previous version.
     """
@@ -300,18 +309,26 @@ def broadcast_hf_buckets_via_distributed_impl(
             f"{len(rollout_engines)} rollout engines given, {len(trainer.handles)} connected"
         )
     deadline = _deadline()
-    flattened = _flattened()
-    version = str(weight_version)
-    for bucket in bucket_iterator:
-        with _held(rollout_engine_lock, deadline):
-
-            async def main(bucket: list[tuple[str, torch.Tensor]] = bucket) -> None:
-                await fleet.broadcast_bucket(
-                    trainer,
-                    bucket,
-                    deadline=deadline,
-                    weight_version=version,
-                    flattened=flattened,
-                )
-
-            _run(main)
+    buckets = CallerBuckets(deadline)
+    streaming = _loop().start_task_soon(
+        functools.partial(
+            fleet.send_version,
+            trainer,
+            buckets,
+            deadline=deadline,
+            weight_version=weight_version,
+            flattened=_flattened(),
+        )
+    )
+    try:
+        for bucket in bucket_iterator:
+            with _held(rollout_engine_lock, deadline):
+                if bucket and not buckets.put(bucket):
+                    break  # the version failed: its error is raised below
+    except BaseException:
+        buckets.close(abandoned=True)
+        with contextlib.suppress(BaseException):  # the stream ends before the error leaves
+            streaming.result(timeout=deadline.remaining() + fleet.CLEANUP_WAIT)
+        raise
+    buckets.close()
+    _translated(functools.partial(streaming.result, deadline.remaining() + fleet.CLEANUP_WAIT))
