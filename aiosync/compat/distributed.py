@@ -44,7 +44,7 @@ from aiosync.compat.errors import (
     translate,
 )
 from aiosync.core.errors import SyncTimeoutError
-from aiosync.handles import EngineHandle, as_engine_handles, fleet
+from aiosync.handles import as_engine_handles, fleet
 from aiosync.handles.caller_buckets import CallerBuckets
 from aiosync.handles.ray_actor import is_ray_actor
 from aiosync.handles.results import failures
@@ -212,7 +212,7 @@ def disconnect_rollout_engines_from_distributed(
         handles = as_engine_handles(rollout_engines)
 
         async def leave_engines() -> None:
-            for problem in await _leave(handles, group_name, deadline):
+            for problem in await fleet.leave(handles, group_name, deadline):
                 log.info("group %s: disconnect: %s", group_name, problem)
 
         _run(leave_engines)
@@ -224,25 +224,6 @@ def disconnect_rollout_engines_from_distributed(
         return await fleet.disconnect(trainer, deadline=deadline)
 
     _run(main)
-
-
-async def _leave(handles: list[EngineHandle], group_name: str, deadline: Deadline) -> list[str]:
-    """Ask engines to leave a group this process holds no state for (bounded, never raising)."""
-    import anyio
-
-    problems: list[str] = []
-
-    async def one(handle: EngineHandle) -> None:
-        try:
-            with anyio.fail_after(max(0.0, deadline.remaining())):
-                await handle.destroy_weights_update_group(group_name)
-        except Exception as exc:
-            problems.append(f"{handle.name}: {type(exc).__name__}: {exc}")
-
-    async with anyio.create_task_group() as tg:
-        for handle in handles:
-            tg.start_soon(one, handle)
-    return problems
 
 
 @contextlib.contextmanager

@@ -1,21 +1,17 @@
 """SGLang's per-bucket calls on the engine's side, fed to the engine's one session machine.
 
-An SGLang engine learns a version one bucket at a time (``update_weights_from_distributed``:
-names, dtypes and shapes, then rank 0's broadcasts) and makes it live by itself once it
-holds all of it: there is no begin, complete or commit call. :class:`BroadcastFeed` turns
-each call into the messages an :class:`~aiosync.core.engine_session.EngineSession` takes
-(joining a group is the session's hello; a version's first bucket comes with its begin;
-once the buckets cover what every sink requires, its complete and commit follow) and
-carries out the actions the machine answers: receive and apply a bucket on every rank, make
-the version live, drop what a failed one left. Which version may follow which, what a
-bucket may hold, what a failure leaves servable and the failures kept are the machine's, as
-for a :class:`~aiosync.WeightReceiver`. SGLang's callers number versions as they like (a
-``weight_version`` need not grow), so a version the machine's rules would refuse restarts
-the numbering, as a trainer back from a checkpoint does.
+An SGLang engine learns a version one bucket at a time (``update_weights_from_distributed``,
+then rank 0's broadcasts) and makes it live by itself once it holds all of it. A
+:class:`BroadcastFeed` turns each call into the messages an
+:class:`~aiosync.core.engine_session.EngineSession` takes (a group's first bucket says its
+hello, a version's first bucket its begin; once the buckets cover what every sink requires,
+its complete and commit follow) and carries out the actions the machine answers. Every
+decision (what may follow what, what a bucket may hold, what a failure leaves servable, the
+failures kept) is the machine's. SGLang's callers number versions as they like, so a version
+the machine's rules would refuse restarts the numbering (``Begin.rebase``).
 
-Every rank joins every broadcast of its group, so a bucket the machine refuses is still
-received into the rank's buffer and dropped: the trainer's broadcast and the other engines
-go on, and the refusal is this engine's answer.
+Every rank joins every broadcast of its group: a bucket the machine refuses is still
+received and dropped, so the trainer and the other engines go on.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,6 +35,7 @@ from aiosync.core.engine_actions import (
     Discard,
     Note,
     OpenPlane,
+    Peer,
     Reply,
 )
 from aiosync.core.engine_session import EngineSession
@@ -58,7 +55,6 @@ from aiosync.core.wire import (
     Goodbye,
     Hello,
     Message,
-    Ready,
 )
 from aiosync.engine.sinks import WeightSink
 from aiosync.handles.colocated import error_text
@@ -70,19 +66,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GroupMembership:
-    """An engine's membership of one side group: one executor (thread) per rank.
+    """An engine's membership of one side group: one executor (thread) and buffer per rank.
 
-    ``plane``: the group as the engine's session sees it (the plane its hello names).
+    ``plane``: the group as its session's hello names it. ``stores`` are kept alive with
+    the group: NCCL reads the store again at its first collective, and a Python store whose
+    object is gone answers torch with "Not implemented".
     """
 
     name: str
     ranks: list[int]
     executors: list[GroupExecutor]
     plane: CollectivePlaneSpec
-    stores: list[AliasStore] = field(default_factory=list)
-    """Kept alive with the group: NCCL reads the store again at its first collective, and
-    a Python store whose object is gone answers torch with "Not implemented"."""
-    scratch: list[Scratch] = field(default_factory=list)
+    stores: list[AliasStore]
+    scratch: list[Scratch]
 
 
 @dataclass(frozen=True)
@@ -112,7 +108,7 @@ def receive(
 
 
 class BroadcastFeed:
-    """The engine's session machine, fed by SGLang's bucket calls (see the module).
+    """The engine's session machine (``session``), fed by SGLang's bucket calls.
 
     Not thread-safe on its own: the engine calls it under its update lock.
     """
@@ -127,36 +123,29 @@ class BroadcastFeed:
             max_session_bytes=max(Limits().max_session_bytes, max_bucket_bytes),
             allow_rebase=True,
         )
+        staged = all(sink.staged for sink in self.sinks)
         self.session = EngineSession(
             expectations=None,
-            staged=all(sink.staged for sink in self.sinks),
+            staged=staged,
             stream_timeout=timeout,
             session_timeout=timeout,
             limits=limits,
         )
-        self._expected: list[Expectations | None] | None = None
-
-    def open(self, group: GroupMembership) -> None:
-        """Say the group's hello, once per session (the join, or again after a refusal ended it)."""
-        if group.name in self.session.sessions:
-            return
-        hello = Hello(PROTOCOL, PROTOCOL, group.name, "trainer", group.plane)
-        reply, _ = self._carry_out(self.session.receive(group.name, hello, time.monotonic()), group)
-        if not isinstance(reply, Ready):
-            raise RejectedError(_reason(reply), peer=self.name)
+        self._expected: list[Expectations | None] | None = None  # asked at the first bucket
 
     def take(self, group: GroupMembership, call: BucketCall) -> int | None:
         """Receive and apply one bucket; the version it made live, or None.
 
-        Raises :class:`RejectedError` with the machine's reason when the bucket (or its
-        version) is refused or its receive or apply failed; the version is then dropped.
+        Raises :class:`RejectedError` with the machine's reason when the bucket or its
+        version is refused, or its receive or apply failed (the version is then dropped).
         """
         if self._expected is None:  # a sink says once what it takes
             self._expected = [sink.expectations() for sink in self.sinks]
             self.session.expectations = self._expected[0]
-        self.open(group)
         peer, session = group.name, self.session
-        stream = session.sessions[peer].stream
+        if peer not in session.sessions:
+            self._say(group, Hello(PROTOCOL, PROTOCOL, peer, "trainer", group.plane))
+        stream = session.sessions[peer].stream if peer in session.sessions else None
         if stream is not None and stream.version != call.version:
             why = f"version {stream.version} left unfinished for {call.version}"
             log.warning("%s: %s", self.name, why)
@@ -178,11 +167,8 @@ class BroadcastFeed:
             raise _refusal(reply)
         if any(e is not None and e.missing(stream.done) for e in self._expected):
             return None
-        seq = stream.next_seq
-        for message in (
-            Complete(call.version, seq, stream.buckets, stream.tensors),
-            Commit(call.version, seq + 1),
-        ):
+        seq, counts = stream.next_seq, (stream.buckets, stream.tensors)
+        for message in (Complete(call.version, seq, *counts), Commit(call.version, seq + 1)):
             reply, _ = self._say(group, message)
             if not (isinstance(reply, Ack) and reply.ok):
                 raise _refusal(reply)
@@ -190,38 +176,39 @@ class BroadcastFeed:
 
     def abandon(self, reason: str) -> None:
         """Drop any version in progress (another update path takes the sinks)."""
-        for peer, session in list(self.session.sessions.items()):
-            if session.stream is not None:
-                abort = Abort(reason, session.stream.version)
-                self._carry_out(self.session.receive(peer, abort, time.monotonic()), None)
+        for peer, sender in list(self.session.sessions.items()):
+            if sender.stream is not None:
+                self._carry_out(peer, Abort(reason, sender.stream.version), None)
 
     def leave(self, group_name: str) -> None:
-        """End the group's session (its version in progress, if any, is dropped)."""
-        session = self.session.sessions.get(group_name)
-        if session is not None:
-            goodbye = Goodbye(session.session)
-            self._carry_out(self.session.receive(group_name, goodbye, time.monotonic()), None)
+        """End the group's session (a version in progress is dropped)."""
+        sender = self.session.sessions.get(group_name)
+        if sender is not None:
+            self._carry_out(group_name, Goodbye(sender.session), None)
 
     # --- carrying out the machine's actions ------------------------------------------
 
     def _say(
         self, group: GroupMembership, message: Message, call: BucketCall | None = None
     ) -> tuple[Message | None, bool]:
-        actions = self.session.receive(group.name, message, time.monotonic())
-        return self._carry_out(actions, group, call)
+        return self._carry_out(group.name, message, group, call)
 
     def _carry_out(
-        self, actions: list[Action], group: GroupMembership | None, call: BucketCall | None = None
+        self,
+        peer: Peer,
+        message: Message,
+        group: GroupMembership | None,
+        call: BucketCall | None = None,
     ) -> tuple[Message | None, bool]:
-        """Carry out ``actions`` and those they lead to: the last reply, whether it applied."""
+        """Give ``message`` to the machine, carry out what follows; its reply, and if applied."""
         reply: Message | None = None
         applied = False
-        pending = deque(actions)
+        pending: deque[Action] = deque(self.session.receive(peer, message, time.monotonic()))
         while pending:
             action = pending.popleft()
             if isinstance(action, Reply):
                 reply = action.message
-            elif isinstance(action, OpenPlane):  # the plane is the group just joined
+            elif isinstance(action, OpenPlane):  # the plane is the group already joined
                 pending.extend(self.session.plane_opened(action.peer))
             elif isinstance(action, Apply) and group is not None and call is not None:
                 applied = True
@@ -243,10 +230,12 @@ class BroadcastFeed:
         for ex, future in zip(group.executors, futures, strict=True):
             ex.result(future, deadline=deadline, what=what, peers=["trainer"])
 
+    def _received(self, group: GroupMembership, i: int, call: BucketCall) -> torch.Tensor:
+        return receive(group.executors[i].group, group.scratch[i], self.sinks[i].device, call)
+
     def _apply(self, apply: Apply, group: GroupMembership, call: BucketCall) -> list[Action]:
         def job(i: int) -> None:
-            sink, ex = self.sinks[i], group.executors[i]
-            sink.apply_bucket(receive(ex.group, group.scratch[i], sink.device, call), apply.specs)
+            self.sinks[i].apply_bucket(self._received(group, i, call), apply.specs)
 
         try:
             self._on_ranks(group, job, call.deadline, "receiving a bucket")
@@ -256,13 +245,9 @@ class BroadcastFeed:
 
     def _skip(self, group: GroupMembership, call: BucketCall) -> None:
         """Join a refused bucket's broadcasts on every rank and drop the bytes."""
-
-        def job(i: int) -> None:
-            ex = group.executors[i]
-            receive(ex.group, group.scratch[i], self.sinks[i].device, call)
-
         try:
-            self._on_ranks(group, job, call.deadline, "receiving a refused bucket")
+            self._on_ranks(group, functools.partial(self._received, group, call=call),
+                           call.deadline, "receiving a refused bucket")  # fmt: skip
         except Exception as exc:
             log.warning("%s: receiving a refused bucket failed: %s", self.name, error_text(exc))
 
@@ -285,12 +270,8 @@ class BroadcastFeed:
                 log.exception("%s: abort of a sink failed", self.name)
 
 
-def _reason(reply: Message | None) -> str:
-    if isinstance(reply, Ack | Abort):
-        return (reply.error if isinstance(reply, Ack) else reply.reason) or "refused"
-    return "no answer"
-
-
 def _refusal(reply: Message | None) -> RejectedError:
-    tensor = reply.tensor if isinstance(reply, Ack) else None
-    return RejectedError(_reason(reply), tensor=tensor)
+    """The error for a refusal: the machine's reason (an ack's, or a session's end)."""
+    if isinstance(reply, Ack):
+        return RejectedError(reply.error or "refused", tensor=reply.tensor)
+    return RejectedError(reply.reason if isinstance(reply, Abort) else "no answer")

@@ -41,6 +41,7 @@ from aiosync.collectives import (
 )
 from aiosync.collectives.alias_store import AliasStore, rank_alias
 from aiosync.collectives.rendezvous import is_token, valid_host
+from aiosync.core.engine_actions import SyncFailure
 from aiosync.core.errors import AiosyncError
 from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.engine.sinks import WeightSink
@@ -100,6 +101,11 @@ class AiosyncEngine:
     def weight_version(self) -> int | None:
         """The last committed version (None before the first)."""
         return self._feed.session.current_version
+
+    @property
+    def failures(self) -> list[SyncFailure]:
+        """The broadcast versions that did not commit, oldest first (the session's records)."""
+        return list(self._feed.session.failures)
 
     def check_health(self) -> dict[str, Any]:
         """``{"healthy", "servable", "message", "weight_version", "groups"}``; never blocks.
@@ -219,21 +225,14 @@ class AiosyncEngine:
             for ex in executors:
                 ex.close()
             raise
+        # the group as the session's hello names it: one buffer of the largest bucket
         plane = CollectivePlaneSpec(
-            backend=backend,
-            host=host,
-            port=port,
-            token=token or "",
-            group=group_name,
-            world_size=world_size,
-            count=1,
-            capacity=self.max_bucket_bytes,
-            timeout_ms=round(self.timeout * 1000),
+            backend, host, port, token or "", group_name, world_size, 1, self.max_bucket_bytes
         )
-        membership = GroupMembership(group_name, ranks, executors, plane, stores)
-        membership.scratch = [Scratch() for _ in ranks]
-        self._groups[group_name] = membership
-        self._feed.open(membership)
+        scratch = [Scratch() for _ in ranks]
+        self._groups[group_name] = GroupMembership(
+            group_name, ranks, executors, plane, stores, scratch
+        )
         log.info("%s joined %s as ranks %s of %d", self.name, group_name, ranks, world_size)
 
     def destroy_weights_update_group(self, group_name: str) -> Answer:

@@ -274,27 +274,43 @@ def _ready_link(channel: CallChannel, group_name: str, deadline: Deadline) -> En
     return EngineLink(channel, session, timeout=max(deadline.remaining(), 0.001))
 
 
-async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
-    """Tear down both sides of ``trainer``'s group; idempotent. Returns what went wrong.
+async def leave(handles: Sequence[EngineHandle], group_name: str, deadline: Deadline) -> list[str]:
+    """Ask every engine at once to leave ``group_name``; what went wrong (never raises).
 
-    Every engine is asked to leave at once; one that is gone, refuses or does not answer
-    by the deadline is listed in the result and does not stop the rest.
+    An engine that is gone, refuses or does not answer by the deadline is listed and does
+    not stop the rest.
     """
-    if trainer.closed:
-        return []
-    trainer.closed = True
     problems: list[str] = []
 
-    async def leave(handle: EngineHandle) -> None:
+    async def one(handle: EngineHandle) -> None:
         try:
             with anyio.fail_after(max(0.0, deadline.remaining())):
-                result = await handle.destroy_weights_update_group(trainer.name)
+                result = await handle.destroy_weights_update_group(group_name)
             if not result.success:
                 problems.append(f"{handle.name}: {result.message}")
         except TimeoutError:
             problems.append(f"{handle.name}: did not answer within the deadline")
         except Exception as exc:
             problems.append(f"{handle.name}: {type(exc).__name__}: {exc}")
+
+    async with anyio.create_task_group() as tg:
+        for handle in handles:
+            tg.start_soon(one, handle)
+    return problems
+
+
+async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
+    """Tear down both sides of ``trainer``'s group; idempotent. Returns what went wrong.
+
+    The engines are asked to leave (:func:`leave`) while the trainer leaves too.
+    """
+    if trainer.closed:
+        return []
+    trainer.closed = True
+    problems: list[str] = []
+
+    async def engines_leave() -> None:
+        problems.extend(await leave(trainer.handles, trainer.name, deadline))
 
     async def leave_own() -> None:  # at the same time as the engines: nobody waits alone
         trainer.executor.join_timeout = max(CLEANUP_WAIT, deadline.remaining())
@@ -304,8 +320,7 @@ async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(leave_own)
-            for handle in trainer.handles:
-                tg.start_soon(leave, handle)
+            tg.start_soon(engines_leave)
     finally:
         _close_store(trainer.store)
         trainer.scratch.clear()
