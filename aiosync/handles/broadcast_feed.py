@@ -131,7 +131,8 @@ class BroadcastFeed:
             session_timeout=timeout,
             limits=limits,
         )
-        self._expected: list[Expectations | None] | None = None  # asked at the first bucket
+        self._expected: list[Expectations] | None = None  # asked at the first bucket
+        self._needed: list[set[str]] = []  # per sink, what the version in progress lacks
 
     def take(self, group: GroupMembership, call: BucketCall) -> int | None:
         """Receive and apply one bucket; the version it made live, or None.
@@ -140,8 +141,9 @@ class BroadcastFeed:
         version is refused, or its receive or apply failed (the version is then dropped).
         """
         if self._expected is None:  # a sink says once what it takes
-            self._expected = [sink.expectations() for sink in self.sinks]
-            self.session.expectations = self._expected[0]
+            expected = [sink.expectations() for sink in self.sinks]
+            self.session.expectations = expected[0]
+            self._expected = [e for e in expected if e is not None]
         peer, session = group.name, self.session
         if peer not in session.sessions:
             self._say(group, Hello(PROTOCOL, PROTOCOL, peer, "trainer", group.plane))
@@ -159,13 +161,16 @@ class BroadcastFeed:
             if stream is None:
                 self._skip(group, call)
                 raise _refusal(reply)
+            self._needed = [{e.aliases.get(r, r) for r in e.required} for e in self._expected]
         bucket = Bucket(call.version, stream.next_seq, 0, call.used, specs=call.specs)
         reply, applied = self._say(group, bucket, call)
         if not applied:
             self._skip(group, call)
         if not (isinstance(reply, Ack) and reply.ok):
             raise _refusal(reply)
-        if any(e is not None and e.missing(stream.done) for e in self._expected):
+        for needed, takes in zip(self._needed, self._expected, strict=True):
+            needed.difference_update(takes.canonical(spec.name) for spec in call.specs)
+        if any(self._needed):  # the session checks it again when the version completes
             return None
         seq, counts = stream.next_seq, (stream.buckets, stream.tensors)
         for message in (Complete(call.version, seq, *counts), Commit(call.version, seq + 1)):

@@ -242,16 +242,13 @@ async def send_version(
     )
     calls = BucketCalls(trainer.name, FLATTENED if flattened else None, str(weight_version))
     number = weight_version if type(weight_version) is int else 0  # the stream's own numbering
-    channels: list[CallChannel] = []
+    channels = [CallChannel(handle, calls) for handle in trainer.handles]
+    links = [_ready_link(channel, trainer.name, deadline) for channel in channels]
+    version = VersionSpec(number, None, progress=buckets.answered)
+    run = StreamRun(links=links, plane=plane, policy=Policy.ALL, spec=version)
     try:
         with anyio.fail_after(deadline.remaining()):
-            async with anyio.create_task_group() as tasks:
-                channels = [CallChannel(h, calls, tasks, buckets.stop) for h in trainer.handles]
-                links = [_ready_link(channel, trainer.name, deadline) for channel in channels]
-                version = VersionSpec(number, None, progress=buckets.answered)
-                run = StreamRun(links=links, plane=plane, policy=Policy.ALL, spec=version)
-                await run.run(buckets.plans())
-                tasks.cancel_scope.cancel()  # the channels wait for messages no more
+            await run.run(buckets.plans())
     except BaseException as exc:
         error = unwrap_group(exc)
         if isinstance(error, TimeoutError) and not isinstance(error, AiosyncError):
