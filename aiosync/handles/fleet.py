@@ -233,10 +233,6 @@ async def send_version(
     deadline ends the version for every engine, breaks the group (unless the caller's own
     buckets failed) and raises an :class:`AiosyncError` naming the engines concerned.
     """
-    if trainer.closed:
-        raise UsageError(f"group {trainer.name!r} is disconnected")
-    if trainer.executor.broken is not None:
-        raise trainer.executor.broken
     plane = GroupBroadcastPlane(
         trainer.executor, trainer.scratch, trainer.backend, flattened, deadline
     )
@@ -246,6 +242,12 @@ async def send_version(
     links = [_ready_link(channel, trainer.name, deadline) for channel in channels]
     version = VersionSpec(number, None, progress=buckets.answered)
     run = StreamRun(links=links, plane=plane, policy=Policy.ALL, spec=version)
+    broken = trainer.executor.broken
+    if trainer.closed or broken is not None:
+        buckets.stop()  # the caller hands over nothing
+        if trainer.closed or broken is None:
+            raise UsageError(f"group {trainer.name!r} is disconnected")
+        raise broken
     try:
         with anyio.fail_after(deadline.remaining()):
             await run.run(buckets.plans())
