@@ -80,11 +80,6 @@ class TrainerGroup:
     closed: bool = field(default=False)
     scratch: Scratch = field(default_factory=Scratch)
 
-    @property
-    def engine_names(self) -> list[str]:
-        """The engines' names, in rank order."""
-        return [handle.name for handle in self.handles]
-
 
 async def _ask_all(
     handles: Sequence[EngineHandle],
