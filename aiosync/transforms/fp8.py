@@ -89,6 +89,7 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor`` quantized in ``fmt`` into new tensors on its device: (e4m3, scales)."""
     shape = tuple(tensor.shape)
+    check_quantizable(fmt, dtype_name(tensor.dtype), shape)
     out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=tensor.device)
     dtype = torch.uint8 if scale_dtype(fmt) == "uint8" else torch.float32
     scales = torch.empty(scale_shape(fmt, shape), dtype=dtype, device=tensor.device)
@@ -105,7 +106,6 @@ def _destination(
     fits = view.is_contiguous() and (
         (view.dtype == dtype and view.numel() == numel)
         or (view.dtype == torch.uint8 and view.numel() == numel * itemsize)
-        or (dtype == torch.float8_e4m3fn and view.dtype == torch.uint8 and view.numel() == numel)
     )
     if not fits:
         raise MismatchError(
@@ -113,6 +113,8 @@ def _destination(
             f"cannot hold {numel} {dtype}",
             tensor=name,
         )
+    if view.storage_offset() * view.element_size() % itemsize:
+        raise MismatchError(f"destination of {dtype} is not {itemsize}-byte aligned", tensor=name)
     return view.reshape(-1).view(dtype).view(shape)
 
 

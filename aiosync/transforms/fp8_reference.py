@@ -83,7 +83,7 @@ def round_to_e4m3(values: torch.Tensor) -> torch.Tensor:
     becomes 448 with its sign; a NaN becomes ``0x7F``.
     """
     exact = values.to(torch.float64)  # exact for fp32
-    magnitude = exact.abs().clamp(max=E4M3_MAX)  # clamp keeps NaN
+    magnitude = exact.abs().clamp(max=E4M3_MAX).contiguous()  # clamp keeps NaN
     table = e4m3_magnitudes()
     upper = torch.searchsorted(table, magnitude.nan_to_num(0.0)).clamp(max=len(table) - 1)
     lower = (upper - 1).clamp(min=0)
