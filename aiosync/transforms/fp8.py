@@ -63,6 +63,7 @@ def quantize_into(
     """
     shape = tuple(tensor.shape)
     check_quantizable(fmt, dtype_name(tensor.dtype), shape, name)
+    tensor = tensor.detach()  # a trainer's parameter: ``out=`` takes no autograd input
     values = _destination(out, torch.float8_e4m3fn, shape, name)
     dtype = torch.uint8 if scale_dtype(fmt) == "uint8" else torch.float32
     scale_view = _destination(scales, dtype, scale_shape(fmt, shape), name)
@@ -135,12 +136,11 @@ def _e4m3_max(device: torch.device) -> torch.Tensor:
     return torch.full((1,), E4M3_MAX, dtype=torch.float32, device=device)
 
 
-def _e4m3_scales(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scales from block amaxes: amax / 448, at least 2**-126, 1 for an all-zero block."""
-    amax = amax.to(torch.float32)
-    scales = torch.div(amax, _e4m3_max(amax.device))
-    scales.clamp_(min=MIN_SCALE)  # keeps NaN and inf
-    return scales.masked_fill_(amax == 0, ZERO_BLOCK_SCALE)
+def _e4m3_scales(amax: torch.Tensor, out: torch.Tensor) -> None:
+    """fp32 scales into ``out``: amax / 448, at least 2**-126, 1 for an all-zero block."""
+    torch.div(amax, _e4m3_max(amax.device), out=out)  # fp32 math: the divisor is fp32
+    out.clamp_(min=MIN_SCALE)  # keeps NaN and inf
+    out.masked_fill_(amax == 0, ZERO_BLOCK_SCALE)
 
 
 def _quantize_block(tensor: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
@@ -149,17 +149,16 @@ def _quantize_block(tensor: torch.Tensor, out: torch.Tensor, scales: torch.Tenso
         for col_span, col_blocks, col_count, width in _spans(cols, BLOCK_SIDE):
             blocks = (row_count, height, col_count, width)
             source = tensor[row_span, col_span].view(blocks)  # splitting dims: always a view
-            amax = torch.linalg.vector_norm(source, _INF, dim=(1, 3))  # NaN-propagating
-            block_scales = _e4m3_scales(amax)
-            scales[row_blocks, col_blocks] = block_scales
+            block_scales = scales[row_blocks, col_blocks]
+            _e4m3_scales(torch.linalg.vector_norm(source, _INF, dim=(1, 3)), block_scales)
             target = out[row_span, col_span].view(blocks)
             torch.div(source, block_scales[:, None, :, None], out=target)
 
 
 def _quantize_tensor(tensor: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
-    scale = _e4m3_scales(torch.linalg.vector_norm(tensor, _INF).reshape(1))
-    scales.copy_(scale.reshape(()))
-    torch.div(tensor, scale, out=out)  # the (1,) scale is a tensor operand: fp32 math
+    scale = scales.view(1)  # a tensor operand with a dim: fp32 math for a bf16 tensor
+    _e4m3_scales(torch.linalg.vector_norm(tensor, _INF), scale)
+    torch.div(tensor, scale, out=out)
 
 
 def _mx_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,6 +79,16 @@ def test_a_strided_source_equals_the_reference() -> None:
         assert_same_scales(scales, want_scales)
 
 
+def test_a_parameter_that_requires_grad_is_quantized() -> None:
+    weight = torch.nn.Parameter(random_weights((200, 130), torch.bfloat16, seed=8))
+    for fmt in Fp8Format:
+        got, scales = quantize(weight, fmt)
+        want, want_scales = quantize_reference(weight.detach(), fmt)
+        assert_same_codes(got, want)
+        assert_same_scales(scales, want_scales)
+        assert not got.requires_grad
+
+
 @pytest.mark.parametrize("fmt", list(Fp8Format))
 def test_writes_straight_into_packing_buffer_views_and_nowhere_else(fmt: Fp8Format) -> None:
     x = random_weights((130, 70), torch.float16, seed=6)
