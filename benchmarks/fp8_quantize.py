@@ -83,6 +83,14 @@ class Model:
         """Copies of every output's bytes and scales."""
         return [t.view(torch.uint8).clone() for t in self.outs] + [s.clone() for s in self.scales]
 
+    def equals(self, snapshot: list[torch.Tensor]) -> bool:
+        """Whether the outputs are byte for byte ``snapshot`` (NaN scales matching NaN)."""
+        now = [t.view(torch.uint8) for t in self.outs] + self.scales
+        return all(
+            torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()))
+            for a, b in zip(now, snapshot, strict=True)
+        )
+
 
 def naive_block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """128 x 128 block e4m3 as plain torch code would: padded fp32 copy, temporaries."""
@@ -141,11 +149,8 @@ def measure(fmt: Fp8Format, repeats: int, total_bytes: int | None = None) -> dic
     out["torch_ms"] = _median_ms(lambda: model.quantize("torch"), repeats, device)
     reference = model.snapshot()
     out["fast_ms"] = _median_ms(lambda: model.quantize("auto"), repeats, device)
-    got = model.snapshot()
-    out["fast_bit_exact"] = all(
-        torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()))
-        for a, b in zip(got, reference, strict=True)
-    )
+    out["fast_bit_exact"] = model.equals(reference)
+    del reference
     if fmt is Fp8Format.BLOCK:
         out["naive_ms"] = _median_ms(model.naive, repeats, device)
         out["naive_over_floor"] = round(out["naive_ms"] / out["floor_ms"], 2)

@@ -72,8 +72,11 @@ def quantize_into(
             f"tensor on {tensor.device}, out on {values.device}, scales on {scale_view.device}",
             tensor=name,
         )
-    if kernel == "triton" and not triton_can_run(tensor):
-        raise MismatchError("the Triton quantizer needs a CUDA tensor and triton", tensor=name)
+    if kernel == "triton" and not (fmt is Fp8Format.BLOCK and triton_can_run(tensor)):
+        raise MismatchError(
+            "the Triton quantizer takes blocks of a CUDA tensor, with triton installed",
+            tensor=name,
+        )
     if fmt is Fp8Format.BLOCK:
         if kernel != "torch" and triton_can_run(tensor):
             quantize_block_triton(tensor, values, scale_view)

@@ -142,5 +142,7 @@ def test_destinations_that_do_not_fit_are_refused_naming_the_tensor() -> None:
         )
     with pytest.raises(MismatchError, match="Triton"):
         quantize(x, Fp8Format.BLOCK, kernel="triton")
+    with pytest.raises(MismatchError, match="Triton"):
+        quantize(x, Fp8Format.MX, kernel="triton")
     with pytest.raises(MismatchError, match="2-D"):
         quantize(torch.ones(2, 2, 2), Fp8Format.BLOCK)
