@@ -10,26 +10,33 @@ direct (``SenderConfig(direct=True)``: the engine copies out of this process's p
 mixed (direct, with every fourth tensor handed over as a plain tensor, so packed) and
 flat (direct, the parameters being views of one allocation, as a training framework's
 parameter buffer makes them: one region instead of one per allocation).
-It measures the floors of the same run (one flat device copy of the model's bytes; one
-copy of every tensor into a tensor of its own, queued by address as an engine's copies
-are; a copy of every tensor into buffers and back), checks the engine's model against the
-trainer's at the end, and prints JSON: times, byte splits, ratios to the floors.
+``--modes`` picks some of them. It measures the floors of the same run (one flat device
+copy of the model's bytes; one copy of every tensor into a tensor of its own, queued by
+address as an engine's copies are; a copy of every tensor into buffers and back), checks
+the engine's model against the trainer's at the end, and prints JSON: times, byte splits,
+the regions read in place (by kind, and the physical allocations of descriptor regions),
+ratios to the floors. Under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (which
+:mod:`benchmarks.cuda_direct_vmm` sets for one run of two) direct mode reads through
+descriptor regions (:mod:`aiosync.planes.fd_regions`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import torch
 
 from aiosync.bench.cuda_dropin import copy_floors, model_digest
 from aiosync.bench.model import synthetic_state_dict
+from aiosync.planes.fd_regions import pieces_of
 from benchmarks.timeline_switches import direct_source
 
 MiB = 1 << 20
@@ -89,7 +96,11 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=15316)
     parser.add_argument("--buffer-mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--modes", default="packed,direct,mixed,flat", help="which modes, comma-separated"
+    )
     args = parser.parse_args()
+    modes = args.modes.split(",")
 
     from aiosync import SenderConfig, WeightSender
     from aiosync.runtime import run
@@ -120,6 +131,9 @@ def main() -> None:
                     start = time.perf_counter()
                     report = await sender.send(source)
                     times.append(time.perf_counter() - start)
+                regions = [] if sender._direct is None else sender._direct.regions
+            out[f"{mode}_regions"] = dict(Counter(type(r).__name__ for r in regions))
+            out[f"{mode}_pieces"] = sum(pieces_of(r) for r in regions)
             out[f"{mode}_s"] = times
             out[f"{mode}_median_s"] = statistics.median(times)
             out[f"{mode}_direct_bytes"] = report.direct_bytes
@@ -129,19 +143,21 @@ def main() -> None:
 
         async def every() -> None:
             for mode, source in _sources(model).items():
-                await one(mode, source)
+                if mode in modes:
+                    await one(mode, source)
 
         run(every)
         proc.stdin.write("digest\n")
         proc.stdin.flush()
         out["bit_exact"] = json.loads(proc.stdout.readline())["digest"] == model_digest(plain)
-        out["direct_over_one_copy"] = out["direct_median_s"] / out["one_copy_s"]
-        out["packed_over_two_copies"] = out["packed_median_s"] / out["two_copies_s"]
-        out["mixed_over_one_copy"] = out["mixed_median_s"] / out["one_copy_s"]
-        out["flat_over_one_copy"] = out["flat_median_s"] / out["one_copy_s"]
-        for mode in ("direct", "flat"):
-            per_tensor = out[f"{mode}_median_s"] / out["one_copy_per_tensor_s"]
-            out[f"{mode}_over_one_copy_per_tensor"] = per_tensor
+        out["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        for mode in modes:
+            floor = out["two_copies_s"] if mode == "packed" else out["one_copy_s"]
+            name = "two_copies" if mode == "packed" else "one_copy"
+            out[f"{mode}_over_{name}"] = out[f"{mode}_median_s"] / floor
+            if mode in ("direct", "flat"):
+                per_tensor = out[f"{mode}_median_s"] / out["one_copy_per_tensor_s"]
+                out[f"{mode}_over_one_copy_per_tensor"] = per_tensor
         print(json.dumps(out), flush=True)
     finally:
         proc.kill()

@@ -85,9 +85,9 @@ def engine(args: argparse.Namespace) -> None:
     mode = timeline_switches.old_copies_switch()
 
     async def serve() -> None:
-        from aiosync.engine import quick_apply
+        from aiosync.core import where_to_run
 
-        inline_apply = quick_apply.INLINE_APPLY
+        inline_apply = where_to_run.LOOP_SECONDS
         async with WeightReceiver(sink) as receiver:
             quick = receiver._quick.quick
             _say({"endpoint": receiver.endpoint})
@@ -107,7 +107,7 @@ def engine(args: argparse.Namespace) -> None:
                     inline.clear()
                     inline.update(["_apply"] if "i" in mode else [])
                     never = "q" in mode  # every apply in a worker thread, as before
-                    quick_apply.INLINE_APPLY = 1e-3 if "l" in mode else inline_apply
+                    where_to_run.LOOP_SECONDS = 1e-3 if "l" in mode else inline_apply
                     receiver._quick.quick = (lambda _: False) if never else quick  # type: ignore[method-assign,assignment]
                     _say({"mode": sorted(mode)})
                 elif words[0] == "dump":

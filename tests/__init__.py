@@ -1,1 +1,1 @@
-"""The test suite; a package so that ``tests.models`` and ``tests.peers`` import from the root."""
+"""The test suite; a package so that ``tests.helpers.models`` and the rest import from the root."""

@@ -120,8 +120,39 @@ class CudaRegion(msgspec.Struct, frozen=True, tag="cuda_region"):
     size: int
 
 
-Region = ShmHandle | CudaRegion
+class CudaFdRegion(msgspec.Struct, frozen=True, tag="cuda_fd_region"):
+    """Trainer memory mapped from physical allocations (``cuMemCreate``), with no legacy handle.
+
+    What torch's allocator makes under ``expandable_segments:True``. ``pieces``: the bytes
+    of each physical allocation, mapped one after the other from the region's start;
+    ``size``: their sum, the bytes engines may read. An engine asks the trainer for one file
+    descriptor a piece, by ``ident`` (the trainer's name for the region, never reused by
+    one sender), over the socket its :class:`DescriptorSource` names
+    (:mod:`aiosync.planes.fd_passing`).
+    """
+
+    ident: int
+    pieces: tuple[int, ...]
+    size: int
+
+
+Region = ShmHandle | CudaRegion | CudaFdRegion
 """A block of trainer memory an engine reads tensors from directly (direct mode)."""
+
+
+class DescriptorSource(msgspec.Struct, frozen=True):
+    """Where an engine asks a trainer for the file descriptors of its fd regions.
+
+    ``path``: the trainer's UNIX socket (in a directory only its user may enter); ``pid``
+    and ``pid_namespace``: the trainer process, which the engine checks the socket's peer
+    against (``SO_PEERCRED``); ``token``: the secret the engine shows with each request
+    (it travels only in the hello, so only on the authenticated channel).
+    """
+
+    path: str
+    pid: int
+    pid_namespace: int
+    token: bytes
 
 
 class DirectPlaneSpec(msgspec.Struct, frozen=True, tag="direct"):
@@ -131,12 +162,15 @@ class DirectPlaneSpec(msgspec.Struct, frozen=True, tag="direct"):
     names its regions (``Bucket.regions``, at most ``direct_bytes`` in all) and its offsets
     run through them in order, each region taking its size rounded up to the alignment.
     ``start_event`` (CUDA): an IPC event the trainer records on its stream as a version
-    starts; the engine's reads of its memory wait on it. See :mod:`aiosync.planes.direct`.
+    starts; the engine's reads of its memory wait on it. ``descriptors`` (CUDA): where the
+    engine fetches the file descriptors of :class:`CudaFdRegion` regions (None: the
+    trainer names none). See :mod:`aiosync.planes.direct`.
     """
 
     ring: ShmPlaneSpec | CudaPlaneSpec
     direct_bytes: int
     start_event: bytes = b""
+    descriptors: DescriptorSource | None = None
 
     @property
     def sizes(self) -> list[int]:

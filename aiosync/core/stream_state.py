@@ -22,10 +22,8 @@ from aiosync.core.errors import ProtocolError
 from aiosync.core.layout import TensorSpec, dtype_from_name, validate_specs
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import Expectations, TensorMeta, missing_error
+from aiosync.core.where_to_run import on_loop
 from aiosync.core.wire import Begin, Bucket, Complete, Message, Slot
-
-LIGHT_ENTRIES = 1024
-"""Manifest entries up to which an unchanged manifest is recognised on the event loop."""
 
 
 def check_manifest_form(manifest: list[TensorMeta], max_name_length: int) -> None:
@@ -109,12 +107,13 @@ def light(message: Message, stream: StreamState | None, memory: StreamMemory | N
     """Whether ``message``'s checks are bounded work now, although it names many tensors.
 
     A ``begin`` whose manifest equals the remembered one skips its checks (one comparison,
-    bounded by :data:`LIGHT_ENTRIES`); a ``complete`` of a stream with a manifest, not
-    left half replayed, compares counts only. Anything else: False (the caller decides).
+    bounded by :data:`~aiosync.core.where_to_run.LOOP_ENTRIES`); a ``complete`` of a stream
+    with a manifest, not left half replayed, compares counts only. Anything else: False
+    (the caller decides).
     """
     if isinstance(message, Begin):
         manifest = message.manifest
-        if manifest is None or memory is None or len(manifest) > LIGHT_ENTRIES:
+        if manifest is None or memory is None or not on_loop(entries=len(manifest)):
             return False
         return len(manifest) == len(memory.manifest) and memory.same_manifest(manifest)
     if isinstance(message, Complete):

@@ -8,16 +8,16 @@ says so takes part (``applies_quickly()``: :class:`~aiosync.ModuleSink`'s own by
 copies, never a user's code, which may block or need a worker thread). The engine times
 each bucket's apply by its spec list, the very same list object every version while the
 stream replays the last one (a direct split kept, or a ring bucket of the same layout):
-one that took at most :data:`INLINE_APPLY` last time (CPU time in a worker; on the loop,
-the longer of CPU and wall time) is applied on the loop this time, on the stream a worker
-thread would use (:func:`worker_stream`). A bucket not seen before, one that turned slow
-(a CPU bucket's bytes copied by the CPU, say), one whose apply failed, one the engine
-holds or keeps by digest for a resume (its store may write a file) go to the worker thread
-as always. And only a plane that says its views never wait on the host takes part
-(:func:`views_at_once`): a collective plane's view joins a broadcast, which may block for
-its whole deadline, and a worker's CPU time would not show that wait. For ring buckets
-each hop saved is on the version's critical path: the trainer refills a buffer only once
-its ack is back.
+one that took at most :data:`~aiosync.core.where_to_run.LOOP_SECONDS` last time (CPU time
+in a worker; on the loop, the longer of CPU and wall time) is applied on the loop this
+time, on the stream a worker thread would use (:func:`worker_stream`). A bucket not seen
+before, one that turned slow (a CPU bucket's bytes copied by the CPU, say), one whose
+apply failed, one the engine holds or keeps by digest for a resume (its store may write a
+file) go to the worker thread as always. And only a plane that says its views never wait
+on the host takes part (:func:`views_at_once`): a collective plane's view joins a
+broadcast, which may block for its whole deadline, and a worker's CPU time would not show
+that wait. For ring buckets each hop saved is on the version's critical path: the trainer
+refills a buffer only once its ack is back.
 """
 
 from __future__ import annotations
@@ -28,15 +28,8 @@ from contextlib import contextmanager
 import torch
 
 from aiosync.core.engine_actions import Apply
+from aiosync.core.where_to_run import on_loop
 from aiosync.planes.base import ReceiverPlane
-
-INLINE_APPLY = 0.5e-3
-"""Seconds of host work, last time, up to which a bucket's apply runs on the loop.
-
-About what a hop to a worker thread costs on those hosts. It bounds what the loop is
-expected to be held, not what it is: a bucket that takes longer this time is applied on
-the loop all the same, and goes back to the worker from the next version on.
-"""
 
 KEPT = 1024
 """Spec lists remembered at most (the oldest are forgotten first)."""
@@ -49,14 +42,14 @@ class QuickApplies:
         self._seconds: dict[int, tuple[object, float]] = {}  # id -> (the list, seconds)
 
     def quick(self, action: Apply) -> bool:
-        """Whether ``action``'s bucket took at most INLINE_APPLY last time.
+        """Whether ``action``'s bucket took at most LOOP_SECONDS last time (:func:`on_loop`).
 
         Never one held or kept by digest for a resume.
         """
         if _for_resume(action):
             return False
         seen = self._seconds.get(id(action.specs))
-        return seen is not None and seen[0] is action.specs and seen[1] <= INLINE_APPLY
+        return seen is not None and seen[0] is action.specs and on_loop(measured_seconds=seen[1])
 
     def forget(self, action: Apply) -> None:
         """``action``'s apply failed: its bucket goes to the worker thread from now on."""

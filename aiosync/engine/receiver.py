@@ -45,6 +45,7 @@ from aiosync.core.engine_session import EngineSession
 from aiosync.core.errors import AiosyncError, ProtocolError, UsageError
 from aiosync.core.exception_groups import exit_as_one
 from aiosync.core.ready_terms import ReadyTerms
+from aiosync.core.where_to_run import on_loop, walks_tensors
 from aiosync.core.wire import Ack, Begin, Challenge, ManifestMemo, Message, encode, split_begin
 from aiosync.engine.challenges import Challenges
 from aiosync.engine.commit import Swapper
@@ -55,8 +56,8 @@ from aiosync.engine.live_hook import OnLive
 from aiosync.engine.quick_apply import QuickApplies, views_at_once, worker_stream
 from aiosync.engine.receiver_reads import ReceiverReads
 from aiosync.engine.sink_shape import SinkShape, as_weight_sink
+from aiosync.engine.sink_tools import apply_error
 from aiosync.engine.sinks import WeightSink
-from aiosync.engine.triage import apply_error, walks_tensors
 from aiosync.planes import ReceiverPlane, open_receiver_plane, view_parts
 from aiosync.planes.cuda_order import ordered_apply, receive_through_plane, with_plane_events
 from aiosync.runtime import require_asyncio
@@ -64,7 +65,6 @@ from aiosync.runtime import require_asyncio
 log = logging.getLogger(__name__)
 
 IDLE_POLL = 1.0  # seconds between housekeeping checks while no deadline is nearer
-BIG_MESSAGE = 64 * 1024  # bytes beyond which decoding runs in a worker thread
 INBOX = 0  # messages waiting for the serving loop: each pump hands its own over in turn
 
 
@@ -253,7 +253,7 @@ class WeightReceiver(ReceiverReads):
                 peer, ProtocolError(f"{len(payload)}-byte message (most {most})")
             )
         try:
-            if len(payload) > BIG_MESSAGE:
+            if not on_loop(nbytes=len(payload)):
                 message = await anyio.to_thread.run_sync(self._messages.decode, payload)
             else:
                 message = self._messages.decode(payload)

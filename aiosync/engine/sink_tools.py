@@ -1,4 +1,4 @@
-"""Small pieces both sinks use: renames from the sender's names and waiting for CUDA copies."""
+"""Small pieces around sinks: renames, waits for CUDA copies, a sink's error worded."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from aiosync.core.engine_actions import Apply
+from aiosync.core.errors import AiosyncError
 from aiosync.planes.base import BucketContext
 
 Rename = Mapping[str, str] | Callable[[str], str]
@@ -30,3 +32,14 @@ def sync_cuda(devices: Iterable[torch.device], context: BucketContext | None = N
     for device in devices:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
+
+
+def apply_error(action: Apply, exc: Exception) -> AiosyncError:
+    """``exc`` from applying ``action``'s bucket, as an aiosync error naming its tensors."""
+    if isinstance(exc, AiosyncError):
+        return exc
+    names = ", ".join(spec.name for spec in action.specs[:3])
+    return AiosyncError(
+        f"engine failed to apply bucket ({names}): {exc}",
+        tensor=action.specs[0].name if action.specs else None,
+    )

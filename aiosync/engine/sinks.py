@@ -29,14 +29,13 @@ from aiosync.core.layout import (
     tensor_bytes,
 )
 from aiosync.core.manifest import Expectations, expectations_of, module_tensors
+from aiosync.core.where_to_run import on_loop
 from aiosync.engine.bulk_apply import CopyPrograms, Part
 from aiosync.engine.callback_sink import CallbackSink, LoadWeights
 from aiosync.engine.sink_base import WeightSink, apply_parts
 from aiosync.engine.sink_tools import Rename, rename_function, sync_cuda
 from aiosync.engine.staging import SWAPS, Staging, Swap
 from aiosync.planes.base import BucketContext
-
-QUICK_COMMIT_TENSORS = 1024  # most tensors a pointer swap moves on the event loop (~1-4 ms)
 
 
 class ModuleSink(WeightSink):
@@ -285,15 +284,16 @@ class ModuleSink(WeightSink):
         Returns False, having done nothing, otherwise (call :meth:`commit`), always for a
         subclass that overrides :meth:`commit`, for weights on a GPU (their commit waits for
         the device's copies, which a CUDA plane ordered by events leaves queued), and for
-        more than ``QUICK_COMMIT_TENSORS`` tensors (a few µs each: longer would stall the
-        loop). The receiver calls it on its event loop to spare a swap the thread hop.
+        more than :data:`~aiosync.core.where_to_run.LOOP_ENTRIES` tensors (a few µs each:
+        longer would stall the loop). The receiver calls it on its event loop to spare a
+        swap the thread hop.
         """
         if type(self).commit is not ModuleSink.commit or not self._on_cpu:
             return False
         if self._staging is None:
             self._committed(())
             return True
-        if len(self._staging.pending) > QUICK_COMMIT_TENSORS:  # per-tensor work: off the loop
+        if not on_loop(entries=len(self._staging.pending)):  # per-tensor work: off the loop
             return False
         with torch.no_grad():
             moved = self._staging.commit(pointers_only=True)

@@ -9,12 +9,10 @@ import msgspec
 
 from aiosync.core.limits import Limits
 from aiosync.core.manifest import TensorMeta
+from aiosync.core.where_to_run import on_loop
 from aiosync.core.wire import Begin, encode
 
 log = logging.getLogger(__name__)
-
-LOOP_ENTRIES = 1024
-"""Manifest entries up to which the ``begin`` is encoded on the event loop (about 70 µs)."""
 
 
 class _RawBegin(msgspec.Struct, frozen=True, tag="begin"):
@@ -83,6 +81,6 @@ def begin_is_cheap(manifest: list[TensorMeta] | None) -> bool:
 
     True for a small manifest, or one whose bytes are kept from the last version.
     """
-    if not manifest or len(manifest) <= LOOP_ENTRIES:
+    if not manifest or on_loop(entries=len(manifest)):
         return True
     return _MANIFESTS.get(manifest) is not None

@@ -159,6 +159,14 @@ class _Interface:
         }
 
 
+def device_tensor(pointer: int, size: int, device: int) -> torch.Tensor:
+    """``size`` bytes of device memory at ``pointer`` as a flat ``uint8`` tensor on ``device``.
+
+    The tensor does not own the memory: it is valid while whoever mapped it keeps it.
+    """
+    return torch.as_tensor(_Interface(pointer, size), device=torch.device("cuda", device))
+
+
 class DeviceMemory:
     """``size`` bytes of device memory: this process's own (exportable) or a peer's, opened.
 
@@ -172,9 +180,7 @@ class DeviceMemory:
         self.device = device
         self.handle = handle
         self._owned = owned
-        self._tensor: torch.Tensor | None = torch.as_tensor(
-            _Interface(pointer, size), device=torch.device("cuda", device)
-        )
+        self._tensor: torch.Tensor | None = device_tensor(pointer, size, device)
 
     @classmethod
     def allocate(cls, size: int, device: int) -> DeviceMemory:

@@ -9,8 +9,10 @@ up to :data:`~aiosync.core.layout.ALIGNMENT`. The engine checks the specs agains
 bucket's bytes as for any bucket, then :meth:`DirectReceiverPlane.parts` checks the regions
 (kind, count, sizes, that they add up to the bucket and that no tensor crosses a region's
 end), opens each new one once (read-only memfd maps on the CPU; legacy IPC handles on CUDA,
-whose mapped size is checked against the claim) and hands the sink one flat ``uint8`` view
-per region with the specs rebased into it: the sink's apply path is unchanged.
+whose mapped size is checked against the claim, or, for memory without one, the physical
+allocations whose file descriptors the trainer passes over its socket:
+:mod:`aiosync.planes.fd_regions`) and hands the sink one flat ``uint8`` view per region
+with the specs rebased into it: the sink's apply path is unchanged.
 
 Ordering on CUDA: the trainer records :attr:`~aiosync.core.wire.DirectPlaneSpec.
 start_event` on its current stream as each version starts (after the step that made the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,7 @@ import torch
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.layout import BucketPlan, TensorSpec, calculate_aligned_size
 from aiosync.core.limits import Limits
+from aiosync.core.plane_specs import CudaFdRegion, DescriptorSource
 from aiosync.core.wire import (
     CudaPlaneSpec,
     CudaRegion,
@@ -48,6 +52,7 @@ from aiosync.planes.base import BucketContext, Part, ReceiverPlane, SenderPlane
 from aiosync.planes.base import DirectPlan as DirectPlan  # its name here before it moved
 from aiosync.planes.cuda_copies import wait_gate
 from aiosync.planes.direct_regions import RegionFinder, address_range
+from aiosync.planes.fd_regions import FdRegions, check_fd_region, open_fd_region, pieces_of
 from aiosync.planes.rings import open_ring
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,8 @@ MAX_REGIONS_PER_BUCKET = 1024
 """Regions one direct bucket may name (an engine refuses more)."""
 MAX_OPEN_REGIONS = 4096
 """Regions an engine keeps open for one sender at once."""
+MAX_OPEN_PIECES = 16384
+"""Physical allocations an engine keeps mapped for one sender's descriptor regions at once."""
 
 
 def _device_index(device: torch.device) -> int:
@@ -73,17 +80,20 @@ class DirectSenderPlane(SenderPlane):
         self.ring = ring
         if device.type == "cuda":
             device = torch.device("cuda", _device_index(device))
-        self.finder = RegionFinder(device)
+        ring_spec = ring.spec
+        if not isinstance(ring_spec, CudaPlaneSpec | ShmPlaneSpec):
+            raise AiosyncError(f"direct mode cannot wrap a {type(ring_spec).__name__}")
         self._start: torch.cuda.Event | None = None
+        self._descriptors: FdRegions | None = None
         handle = b""
         if device.type == "cuda":
             from aiosync.planes.cuda import new_event
 
+            self._descriptors = FdRegions(_device_index(device))
             self._start, handle = new_event(_device_index(device))
-        ring_spec = ring.spec
-        if not isinstance(ring_spec, CudaPlaneSpec | ShmPlaneSpec):
-            raise AiosyncError(f"direct mode cannot wrap a {type(ring_spec).__name__}")
-        self._spec = DirectPlaneSpec(ring_spec, DIRECT_BYTES, handle)
+        self.finder = RegionFinder(device, self._descriptors)
+        source = None if self._descriptors is None else self._descriptors.source
+        self._spec = DirectPlaneSpec(ring_spec, DIRECT_BYTES, handle, source)
         self._device = device
 
     @property
@@ -121,8 +131,10 @@ class DirectSenderPlane(SenderPlane):
         await self.ring.publish(index, used)
 
     def close(self) -> None:
-        """Close the ring and forget the exports (idempotent)."""
+        """Close the ring, stop serving descriptors and forget the exports (idempotent)."""
         self.ring.close()
+        if self._descriptors is not None:
+            self._descriptors.close()
         self.finder.clear()
 
 
@@ -132,6 +144,7 @@ class _Open:
     tensor: torch.Tensor
     closer: Any
     used: int  # the last version that read it
+    pieces: int = 0  # physical allocations mapped (a descriptor region)
 
 
 @dataclass
@@ -144,7 +157,7 @@ class _Split:
 
     specs: list[TensorSpec]
     regions: list[Region]
-    keys: list[bytes | str]
+    keys: list[Hashable]
     opened: list[_Open]
     parts: list[tuple[torch.Tensor, list[TensorSpec]]]
     used: int
@@ -164,8 +177,10 @@ class DirectReceiverPlane(ReceiverPlane):
         self._most = spec.direct_bytes
         self._max_bytes = min(spec.direct_bytes, (limits or Limits()).max_session_bytes)
         self._start: torch.cuda.Event | None = None
+        self._source: DescriptorSource | None = None
         self._device = 0
         if isinstance(spec.ring, CudaPlaneSpec):
+            self._source = spec.descriptors
             index = device.index if device.type == "cuda" and device.index is not None else None
             self._device = spec.ring.device if index is None else index
             if spec.start_event:
@@ -176,7 +191,7 @@ class DirectReceiverPlane(ReceiverPlane):
                 except BaseException:
                     self._ring.close()
                     raise
-        self._open: dict[bytes | str, _Open] = {}
+        self._open: dict[Hashable, _Open] = {}
         self._splits: dict[int, _Split] = {}
         self._version: int | None = None
         self.events = list(self._ring.events)
@@ -246,7 +261,9 @@ class DirectReceiverPlane(ReceiverPlane):
         self, used: int, specs: list[TensorSpec], regions: list[Region], version: int
     ) -> _Split:
         """Check a bucket's regions, open the new ones, split its specs by region."""
-        starts, keys, total = [], [], 0
+        starts: list[int] = []
+        keys: list[Hashable] = []
+        total = 0
         for region in regions:
             keys.append(self._check(region))
             starts.append(total)
@@ -282,11 +299,16 @@ class DirectReceiverPlane(ReceiverPlane):
             grouped[k].append(msgspec.structs.replace(spec, offset=local))
         return grouped
 
-    def _check(self, region: Region) -> bytes | str:
+    def _check(self, region: Region) -> Hashable:
         """A region's cache key, once its kind and size pass."""
         if not 0 < region.size <= self._max_bytes:
             raise ProtocolError(f"region of {region.size} bytes (most {self._max_bytes})")
         if self._cuda:
+            if isinstance(region, CudaFdRegion):
+                if self._source is None:
+                    raise ProtocolError("a descriptor region from a trainer that named no socket")
+                check_fd_region(region)
+                return region  # its ident and pieces
             if not isinstance(region, CudaRegion) or len(region.handle) != 64:
                 raise ProtocolError("a direct CUDA bucket names a region that is no CUDA handle")
             return region.handle
@@ -311,15 +333,21 @@ class DirectReceiverPlane(ReceiverPlane):
                 del self._open[key]
                 opened.closer()
 
-    def _region(self, key: bytes | str, region: Region, version: int) -> _Open:
+    def _region(self, key: Hashable, region: Region, version: int) -> _Open:
         opened = self._open.get(key)
         if opened is None:
             held = sum(o.size for o in self._open.values())
-            if len(self._open) >= MAX_OPEN_REGIONS or held + region.size > self._max_bytes:
+            mapped = sum(o.pieces for o in self._open.values()) + pieces_of(region)
+            if (
+                len(self._open) >= MAX_OPEN_REGIONS
+                or held + region.size > self._max_bytes
+                or mapped > MAX_OPEN_PIECES
+            ):
                 raise ProtocolError(
                     f"{len(self._open)} regions of {held} bytes open: no room for {region.size}"
                 )
-            opened = self._open[key] = open_region(region, self._device, self._max_bytes)
+            opened = open_region(region, self._device, self._max_bytes, self._source)
+            self._open[key] = opened
         elif opened.size != region.size:
             raise ProtocolError(f"a region of {opened.size} bytes named as {region.size}")
         opened.used = version
@@ -334,16 +362,22 @@ class DirectReceiverPlane(ReceiverPlane):
         self._ring.close()
 
 
-def open_region(region: Region, device: int, max_bytes: int) -> _Open:
+def open_region(
+    region: Region, device: int, max_bytes: int, source: DescriptorSource | None = None
+) -> _Open:
     """Open a peer's region read-only (CPU) or mapped on ``device`` (CUDA), checked.
 
-    A CUDA region's claimed size must not exceed what the driver mapped for its handle.
+    A CUDA region's claimed size must not exceed what the driver mapped for its handle; a
+    descriptor region's come from the trainer ``source`` names.
     """
     if isinstance(region, ShmHandle):
         from aiosync.planes.shm import ShmSegment
 
         segment = ShmSegment.attach(region, max_size=max_bytes, writable=False)
         return _Open(region.size, segment.tensor, segment.close, -1)
+    if isinstance(region, CudaFdRegion):
+        imported = open_fd_region(region, device, source)
+        return _Open(region.size, imported.tensor, imported.close, -1, len(region.pieces))
     from aiosync.planes.cuda_runtime import DeviceMemory, runtime
 
     try:

@@ -10,8 +10,10 @@ reason why, which the sender's report sums up.
 CUDA allocations are cached by the driver's buffer id (unique per allocation in the
 process): a tensor moved to new memory is found in its new allocation, exported then, and
 an allocation freed and made again at the same address has a new id and a new export.
-Memory from expandable segments (``cuMemCreate``) has no legacy handle: such tensors are
-packed.
+Memory from expandable segments (``cuMemCreate``) has no legacy handle: such a tensor's
+region is the run of physical allocations it lies in, which engines map from file
+descriptors the trainer passes them (:mod:`aiosync.planes.fd_regions`), where the plane
+has a descriptor socket; else it is packed.
 
 Whether a region found before still holds a tensor at the same address is one driver query
 (:meth:`RegionFinder.still`, about 5 µs). :meth:`RegionFinder.marker` and
@@ -39,6 +41,11 @@ Whether a region found before still holds a tensor at the same address is one dr
   while the device held no segment at all (so not the region either) followed by exactly
   as many segment allocations and frees as before the reset: then a region is checked
   only when the tensor's address, dtype or shape changed;
+- a descriptor region inside one of the allocator's expandable segments (within a mapped
+  range the snapshot reports) is vouched for the same way: that allocator maps a page into
+  a segment only where none is (``map_block``, counted in ``num_device_alloc``) and unmaps
+  one only in ``unmap_block`` (counted in ``num_device_free``), so while those counters are
+  unchanged each page a region named is still the physical allocation it was;
 - memory not from the caching allocator (``cudaMalloc`` by another library, the allocator
   disabled, a pluggable allocator, ``cudaMallocAsync``, CPU segments) is never vouched
   for: it is checked every version, as is everything where the stats or the snapshot
@@ -47,17 +54,22 @@ Whether a region found before still holds a tensor at the same address is one dr
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from aiosync.core.layout import ALIGNMENT, is_plain
+from aiosync.core.plane_specs import CudaFdRegion
 from aiosync.core.wire import CudaRegion, Region
 from aiosync.planes.cuda_runtime import driver
 from aiosync.planes.shared_tensors import find_shared
+
+if TYPE_CHECKING:
+    from aiosync.planes.fd_regions import FdRegions, Pieces
 
 # CUpointer_attribute values (cuda.h)
 _ATTR_BUFFER_ID = 7
@@ -109,12 +121,18 @@ def _attributes(pointer: int, scratch: _Scratch) -> tuple[int, int, int, bool] |
 
 
 class RegionFinder:
-    """Finds tensors' regions on ``device`` (a trainer's, for its sender's direct plane)."""
+    """Finds tensors' regions on ``device`` (a trainer's, for its sender's direct plane).
 
-    def __init__(self, device: torch.device) -> None:
+    ``descriptors``: the plane's descriptor regions, for CUDA memory without a legacy
+    handle (None: such tensors are packed).
+    """
+
+    def __init__(self, device: torch.device, descriptors: FdRegions | None = None) -> None:
         self.device = device
         self._exports: dict[int, CudaRegion | None] = {}  # buffer id -> region (None: refused)
         self._bases: dict[object, int] = {}  # buffer id -> the allocation's base address
+        self._extents: dict[object, tuple[int, int]] = {}  # descriptor region -> its span
+        self._descriptors = descriptors
         self._scratch = _Scratch()
 
     def locate(self, tensor: torch.Tensor) -> Spot | str:
@@ -135,11 +153,11 @@ class RegionFinder:
     def _locate_cuda(self, tensor: torch.Tensor) -> Spot | str:
         pointer = tensor.data_ptr()
         found = _attributes(pointer, self._scratch)
-        if found is None:
-            return NOT_EXPORTABLE
-        base, size, buffer_id, capable = found
+        if found is None or not found[3]:
+            return self._locate_fd(tensor)
+        base, size, buffer_id, _ = found
         if buffer_id not in self._exports:
-            self._exports[buffer_id] = _export(base, size) if capable else None
+            self._exports[buffer_id] = _export(base, size)
             self._bases[buffer_id] = base
         region = self._exports[buffer_id]
         if region is None:
@@ -151,11 +169,27 @@ class RegionFinder:
             return "runs past its allocation"
         return Spot(region, buffer_id, offset)
 
+    def _locate_fd(self, tensor: torch.Tensor) -> Spot | str:
+        """The descriptor region of a tensor whose memory has no legacy handle."""
+        if self._descriptors is None:
+            return NOT_EXPORTABLE
+        found = self._descriptors.locate(tensor.data_ptr(), tensor.nbytes)
+        if isinstance(found, str):
+            return found
+        region, pieces, offset = found
+        if offset % ALIGNMENT:
+            return MISALIGNED
+        self._extents[pieces] = (pieces[0].base, pieces[-1].base + pieces[-1].size)
+        return Spot(region, pieces, offset)
+
     def still(self, tensor: torch.Tensor, spot: Spot) -> bool:
         """Whether ``tensor`` (found at ``spot`` before, same address) is still in that region."""
         if tensor.device.type == "cpu":
             found = find_shared(tensor)
             return found is not None and found.handle == spot.region
+        if isinstance(spot.region, CudaFdRegion):
+            fd = self._descriptors
+            return fd is not None and fd.still(cast("Pieces", spot.key))
         found_cuda = _attributes(tensor.data_ptr(), self._scratch)
         return found_cuda is not None and found_cuda[2] == spot.key
 
@@ -179,14 +213,18 @@ class RegionFinder:
         Whole segments of torch's caching allocator on this device, so that :meth:`marker`
         vouches for them (one ``torch.cuda.memory_snapshot()``).
         """
+        keys = set(keys)
         wanted = {key: self._bases[key] for key in keys if key in self._bases}
-        if not wanted or self.device.type != "cuda":
+        spans = {key: self._extents[key] for key in keys if key in self._extents}
+        if not (wanted or spans) or self.device.type != "cuda":
             return set()
         try:
-            bases = self._segment_bases()
+            bases = self._segment_bases() if wanted else frozenset()
+            ranges = self._expandable_ranges() if spans else []
         except Exception:  # the snapshot is not available with this allocator
             return set()
-        return {key for key, base in wanted.items() if base in bases}
+        owned = {key for key, base in wanted.items() if base in bases}
+        return owned | {key for key, span in spans.items() if within(ranges, *span)}
 
     def _stats(self) -> Mapping[str, Any]:
         """``torch.cuda.memory_stats_as_nested_dict`` of this device (tests replace it)."""
@@ -200,10 +238,26 @@ class RegionFinder:
         snapshot = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
         return segment_bases(snapshot, index)
 
+    def _expandable_ranges(self) -> list[tuple[int, int]]:
+        """The allocator's mapped expandable ranges on this device (tests replace it)."""
+        if torch.cuda.memory.get_allocator_backend() != "native":
+            return []
+        index = self.device.index if self.device.index is not None else 0
+        snapshot = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+        return expandable_ranges(snapshot, index)
+
+    def retain(self, keys: Iterable[object]) -> None:
+        """Keep serving only the descriptor regions of ``keys`` (a fresh split's)."""
+        kept = set(keys)
+        self._extents = {key: span for key, span in self._extents.items() if key in kept}
+        if self._descriptors is not None:
+            self._descriptors.retain(kept)
+
     def clear(self) -> None:
         """Forget every export (a closing sender)."""
         self._exports.clear()
         self._bases.clear()
+        self._extents.clear()
 
 
 def allocator_marker(stats: Mapping[str, Any]) -> tuple[int, ...] | None:
@@ -231,6 +285,24 @@ def segment_bases(snapshot: Sequence[Mapping[str, Any]], device: int) -> frozens
         for segment in snapshot
         if segment.get("device") == device and not segment.get("is_expandable", False)
     )
+
+
+def expandable_ranges(snapshot: Sequence[Mapping[str, Any]], device: int) -> list[tuple[int, int]]:
+    """The mapped ranges of expandable segments on ``device`` in a snapshot, in order.
+
+    torch reports one segment a contiguous mapped range of an expandable segment.
+    """
+    return sorted(
+        (int(segment["address"]), int(segment["address"]) + int(segment["total_size"]))
+        for segment in snapshot
+        if segment.get("device") == device and segment.get("is_expandable", False)
+    )
+
+
+def within(ranges: Sequence[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``[start, end)`` lies inside one of the sorted, disjoint ``ranges``."""
+    at = bisect.bisect_right(ranges, start, key=lambda r: r[0]) - 1
+    return at >= 0 and ranges[at][0] <= start and end <= ranges[at][1]
 
 
 def _export(base: int, size: int) -> CudaRegion | None:

@@ -4,7 +4,7 @@ A tensor goes direct when it is persistent and its memory is a region engines ca
 (:mod:`aiosync.planes.direct_regions`). Persistent: with ``direct=True``, every
 ``nn.Parameter`` and every tensor in a segment of :func:`aiosync.share_tensors`; with a
 collection of names, exactly those names. Everything else (casts, gathered tensors,
-tensors in memory without a legacy handle) is packed in the same version, and
+tensors in memory engines cannot open) is packed in the same version, and
 :attr:`DirectReader.note` says how much was packed that was asked to go direct, and why.
 
 Direct buckets come first (engines copy them while the trainer packs the rest); how they
@@ -29,16 +29,12 @@ import torch
 from aiosync.core.layout import DTYPE_NAMES, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta, module_tensors, unique_storage, visible_pairs
 from aiosync.core.planning import Planner, VersionSource, read_source
+from aiosync.core.where_to_run import on_loop
+from aiosync.core.wire import Region
 from aiosync.planes.direct import DIRECT_BYTES, DirectPlan, DirectSenderPlane
 from aiosync.planes.direct_regions import RegionFinder, Spot
 from aiosync.planes.shared_tensors import find_shared
 from aiosync.trainer.direct_plans import direct_plans, distinct, within_bounds
-
-LOOP_TENSORS = 1024
-"""Tensors up to which a kept split is checked on the sender's event loop (about 0.3 ms
-for Llama-3-8B's 291 on the H200 host; :meth:`DirectReader.read_kept`)."""
-LOOP_LOOKUPS = 64
-"""Regions a check on the event loop may look up (those the allocator does not vouch for)."""
 
 
 class DirectReader:
@@ -60,6 +56,11 @@ class DirectReader:
         allocator vouched for every region), or a tensor each for a fresh split."""
         self._kept: _Kept | None = None  # the last version's split, reused while it holds
         self._pairs = 0  # tensors the last version read had
+
+    @property
+    def regions(self) -> list[Region]:
+        """The regions the last split reads directly, each once, in the order met."""
+        return [] if self._kept is None else [spot.region for _, spot in self._kept.probes]
 
     def _persistent(self, name: str, tensor: torch.Tensor) -> bool:
         if self.chosen is True:
@@ -98,23 +99,24 @@ class DirectReader:
     ) -> VersionSource | None:
         """:meth:`read`, if the last split still holds and ``source`` is small; else None.
 
-        Bounded work (at most :data:`LOOP_TENSORS` tensors and :data:`LOOP_LOOKUPS` regions
-        looked up, no export), so a sender may call it on its event loop and skip the hop
-        to a worker thread; None asks for :meth:`read` in a thread. Only a split with
-        direct tensors: the version's bucket 1 is then a direct bucket, nothing to pack
-        (whose planning could wait on values or copy a tensor).
+        Bounded work (as many tensors and regions looked up as
+        :func:`~aiosync.core.where_to_run.on_loop` allows, no export), so a sender may call
+        it on its event loop and skip the hop to a worker thread; None asks for :meth:`read`
+        in a thread. Only a split with direct tensors: the version's bucket 1 is then a
+        direct bucket, nothing to pack (whose planning could wait on values or copy a
+        tensor).
         """
         kept = self._kept
-        if kept is None or not kept.direct or self._pairs > LOOP_TENSORS:
+        if kept is None or not kept.direct or not on_loop(entries=self._pairs):
             return None  # nothing direct (bucket 1 is to pack), or a large version
         if isinstance(source, torch.nn.Module):
             source = module_tensors(source)
         pairs = visible_pairs(source)
-        if pairs is None or len(pairs) > LOOP_TENSORS:
+        if pairs is None or not on_loop(entries=len(pairs)):
             return None
         pairs, chosen, packed = self._sort(source, pairs)
         finder = self.plane.finder
-        if not kept.matches(chosen, finder, finder.marker(), lookups=LOOP_LOOKUPS):
+        if not kept.matches(chosen, finder, finder.marker(), on_the_loop=True):
             return None
         self.note, self.direct_bytes = "", 0
         self.fresh, self.checked = False, kept.checked
@@ -226,7 +228,9 @@ class DirectReader:
             why = "; ".join(f"{reason} ({n})" for reason, n in refused.most_common())
             note = f"{sum(refused.values())} tensors ({refused_bytes} bytes) packed: {why}"
         finder = self.plane.finder
-        owned = finder.allocator_owned({s.key for _, _, s in direct}) if mark is not None else set()
+        keys = {s.key for _, _, s in direct}
+        finder.retain(keys)  # descriptor regions of an older split are served no more
+        owned = finder.allocator_owned(keys) if mark is not None else set()
         return _Kept(chosen, direct, packed, note, mark, owned)
 
     def _locate(self, tensor: torch.Tensor) -> Spot | str:
@@ -296,13 +300,14 @@ class _Kept:
         chosen: list[tuple[str, torch.Tensor]],
         finder: RegionFinder,
         mark: object,
-        lookups: int | None = None,
+        on_the_loop: bool = False,
     ) -> bool:
         """Whether ``chosen`` is what was split (one comprehension per property).
 
         ``mark``: the finder's marker, read before this call. Equal to the one read before
         the last lookups, it vouches for the owned regions: only the others are looked up,
-        and if more than ``lookups`` (None: no bound) would be, the answer is False.
+        and ``on_the_loop``, if more would be than :func:`~aiosync.core.where_to_run.on_loop`
+        allows, the answer is False.
         """
         tensors = [t for _, t in chosen]
         self.checked = 0
@@ -318,7 +323,7 @@ class _Kept:
         if not same:
             return False
         probes = self.watched if mark is not None and mark == self.mark else self.probes
-        if lookups is not None and len(probes) > lookups:
+        if on_the_loop and not on_loop(lookups=len(probes)):
             return False
         self.checked = len(probes)
         if not all(finder.still(tensor, spot) for tensor, spot in probes):

@@ -18,8 +18,9 @@ import torch
 from aiosync.core.layout import DTYPE_NAMES, TensorSpec, calculate_aligned_size
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.wire import Region
-from aiosync.planes.direct import DIRECT_BYTES, MAX_OPEN_REGIONS, DirectPlan
+from aiosync.planes.direct import DIRECT_BYTES, MAX_OPEN_PIECES, MAX_OPEN_REGIONS, DirectPlan
 from aiosync.planes.direct_regions import Spot
+from aiosync.planes.fd_regions import pieces_of
 
 REGIONS_PER_BUCKET = 64
 """Regions a sender puts in one direct bucket (an engine takes up to
@@ -29,6 +30,8 @@ OPEN_REGIONS = MAX_OPEN_REGIONS // 2
 """Regions one version reads directly at most (the rest is packed; see :func:`within_bounds`)."""
 OPEN_BYTES = DIRECT_BYTES // 2
 """Bytes of regions one version reads directly at most."""
+OPEN_PIECES = MAX_OPEN_PIECES // 2
+"""Physical allocations of descriptor regions one version reads directly at most."""
 
 Located = tuple[str, torch.Tensor, Spot]
 """A chosen tensor, by name, and where it lies."""
@@ -60,20 +63,26 @@ def within_bounds(direct: list[Located], packed: list[tuple[str, Any]]) -> list[
 
     An engine keeps the regions of the last version open while it opens the next
     version's, so a version whose regions all moved needs room for both: half of
-    :data:`~aiosync.planes.direct.MAX_OPEN_REGIONS` regions and of
-    :data:`~aiosync.planes.direct.DIRECT_BYTES`. Regions are taken in the order met.
+    :data:`~aiosync.planes.direct.MAX_OPEN_REGIONS` regions, of
+    :data:`~aiosync.planes.direct.DIRECT_BYTES` and of
+    :data:`~aiosync.planes.direct.MAX_OPEN_PIECES`. Regions are taken in the order met.
     """
     taken: set[object] = set()
     left: set[object] = set()
-    held = 0
+    held = pieces = 0
     out: list[Located] = []
     for name, tensor, spot in direct:
         key = spot.key
         if key not in taken and key not in left:
-            size = spot.region.size
-            if len(taken) < OPEN_REGIONS and held + size <= OPEN_BYTES:
+            size, more = spot.region.size, pieces_of(spot.region)
+            if (
+                len(taken) < OPEN_REGIONS
+                and held + size <= OPEN_BYTES
+                and pieces + more <= OPEN_PIECES
+            ):
                 taken.add(key)
                 held += size
+                pieces += more
             else:
                 left.add(key)
         if key in taken:

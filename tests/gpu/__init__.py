@@ -1,0 +1,1 @@
+"""Tests that need CUDA (marked ``gpu`` or ``multigpu``; they skip without a device)."""

@@ -1,0 +1,1 @@
+"""Tests that spawn processes: peers, engines, the CLI, the examples."""

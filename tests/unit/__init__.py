@@ -1,0 +1,1 @@
+"""Pure tests: no processes, no sockets (session machines, layout, wire, planning, shape)."""
