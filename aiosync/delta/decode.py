@@ -1,0 +1,161 @@
+"""Applying a delta onto the base tensor an engine holds, in place, bit for bit.
+
+Everything the decoder reads may be hostile. :func:`apply_delta` checks all of it before it
+writes a byte, so a refused delta leaves the base as it was: the header (see
+:meth:`~aiosync.delta.format.DeltaHeader.from_bytes`) and its fit to the base
+(:class:`MismatchError`: dtype, shape, a non-contiguous base), the payload's exact length,
+then on the device, in one wait: every position inside its chunk and strictly increasing
+within it (unsorted or repeated positions are refused: with a repeat, which value lands
+would depend on the order of a scatter), each bitmask's set bits equal to its chunk's value
+count, and the unused bits of a last, shorter chunk's bitmask clear. Any failure is a
+:class:`ProtocolError` naming the tensor and version given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aiosync.core.errors import ProtocolError
+from aiosync.delta.format import (
+    BITMASK,
+    DENSE,
+    POSITIONS,
+    DeltaHeader,
+    bit_weights,
+    sections,
+)
+from aiosync.delta.ops import flat_bits, nonzero_flat, to_device, unpack_bits
+
+_CHECKS = (
+    "a position outside its chunk",
+    "positions not strictly increasing within a chunk",
+    "a bitmask whose set bits differ from its chunk's value count",
+    "bits set past the end of the last chunk's bitmask",
+)
+
+
+def _payload_on(payload: torch.Tensor, device: torch.device, bad: ProtocolError) -> torch.Tensor:
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise bad
+    payload = payload.to(device)
+    if not payload.is_contiguous() or payload.storage_offset() % 8:
+        payload = payload.clone()  # the sections are read as wider integers
+    return payload
+
+
+def apply_delta(
+    base: torch.Tensor,
+    header: DeltaHeader | bytes | bytearray | memoryview,
+    payload: torch.Tensor,
+    *,
+    tensor: str | None = None,
+    version: int | None = None,
+) -> None:
+    """Write the span ``header`` and ``payload`` describe into ``base``, after checking all.
+
+    ``header`` may be the header's bytes; ``payload`` is a flat uint8 tensor on any device
+    (copied to ``base``'s if elsewhere). Raises :class:`MismatchError` or
+    :class:`ProtocolError` (``tensor`` and ``version`` name what failed) with ``base``
+    untouched.
+    """
+    if not isinstance(header, DeltaHeader):
+        header = DeltaHeader.from_bytes(header, tensor=tensor, version=version)
+    header.check_fits(base, tensor=tensor, version=version)
+    sec = sections(header)
+    payload = _payload_on(
+        payload,
+        base.device,
+        ProtocolError("a delta's payload must be flat uint8", tensor=tensor, version=version),
+    )
+    if payload.numel() != sec.nbytes:
+        raise ProtocolError(
+            f"delta payload of {payload.numel()} bytes where its header describes {sec.nbytes}"
+            f" ({sec.values[1]} values, {sec.positions[1]} positions, {sec.bitmask[1]} bitmask"
+            " bytes)",
+            tensor=tensor,
+            version=version,
+        )
+    steps = _Steps(header, payload, base.device)
+    failed = [reason for reason, ok in zip(_CHECKS, steps.checks(), strict=True) if not ok]
+    if failed:
+        raise ProtocolError(f"delta refused: {failed[0]}", tensor=tensor, version=version)
+    steps.write(flat_bits(base)[header.start : header.start + header.count])
+
+
+class _Steps:
+    """A checked header's payload read as positions, bitmasks and values, on the device."""
+
+    def __init__(self, header: DeltaHeader, payload: torch.Tensor, device: torch.device) -> None:
+        self.header, self.device = header, device
+        sec = sections(header)
+        bits = flat_bits(torch.empty(0, dtype=header.dtype))
+        self.values = payload[: sec.values[1] * header.dtype.itemsize].view(bits.dtype)
+        self.groups = sec.value_groups
+        at, n = sec.positions
+        self.positions = payload[at : at + 4 * n].view(torch.int32)
+        at, n = sec.bitmask
+        self.bitmask = payload[at : at + n]
+        kinds, values = header.kinds, header.values
+        self.pos_chunks = (kinds == POSITIONS).nonzero().view(-1)
+        self.bm_chunks = (kinds == BITMASK).nonzero().view(-1)
+        self.dense_chunks = (kinds == DENSE).nonzero().view(-1)
+        self.bm_values = values[self.bm_chunks]
+        self.where: torch.Tensor | None = None  # span offsets of the positions' values
+        self.set_bits: torch.Tensor | None = None  # the bitmask chunks' bits, concatenated
+
+    def checks(self) -> list[bool]:
+        """Each of the decoder's device checks, passed or not (one wait for all)."""
+        header, device = self.header, self.device
+        ce, count = header.chunk_elems, header.count
+        oks = [torch.ones((), dtype=torch.bool, device=device) for _ in _CHECKS]
+        if self.groups[0]:
+            per_chunk = header.values[self.pos_chunks]
+            chunk_of = torch.repeat_interleave(
+                to_device(self.pos_chunks, device),
+                to_device(per_chunk, device),
+                output_size=self.groups[0],
+            )
+            pos = self.positions.to(torch.int64)
+            where = pos + chunk_of * ce
+            oks[0] = ((pos >= 0) & (pos < ce) & (where < count)).all()
+            oks[1] = (where[1:] > where[:-1]).all()
+            self.where = where
+        if len(self.bm_chunks):
+            bits = unpack_bits(self.bitmask, bit_weights(device))
+            full = count // ce
+            whole = int((self.bm_chunks < full).sum())
+            expected = to_device(self.bm_values, device)
+            sums = torch.empty(len(self.bm_chunks), dtype=torch.int64, device=device)
+            if whole:
+                torch.sum(bits[: whole * ce].view(whole, ce), 1, out=sums[:whole])
+            if whole < len(self.bm_chunks):  # the last, shorter chunk
+                length = count - full * ce
+                torch.sum(bits[whole * ce : whole * ce + length], 0, out=sums[whole])
+                oks[3] = ~bits[whole * ce + length :].any()
+            oks[2] = (sums == expected).all()
+            self.set_bits = bits
+        return [bool(ok) for ok in torch.stack(oks).tolist()]
+
+    def write(self, span: torch.Tensor) -> None:
+        """Write the checked values into ``span`` (the base's elements the header covers)."""
+        header, device = self.header, self.device
+        ce, count = header.chunk_elems, header.count
+        g_pos, g_bm, _ = self.groups
+        full = count // ce
+        if self.where is not None:
+            span.index_copy_(0, self.where, self.values[:g_pos])
+        if g_bm and self.set_bits is not None:
+            found = nonzero_flat(self.set_bits, g_bm)
+            chunk = to_device(self.bm_chunks, device)[found // ce]
+            span.index_copy_(0, chunk * ce + found % ce, self.values[g_pos : g_pos + g_bm])
+        if len(self.dense_chunks):
+            dense = self.values[g_pos + g_bm :]
+            rows = self.dense_chunks[self.dense_chunks < full]
+            whole = len(rows) * ce
+            if len(rows) == full:
+                span[:whole].copy_(dense[:whole])
+            elif len(rows):
+                table = span[: full * ce].view(full, ce)
+                table.index_copy_(0, to_device(rows, device), dense[:whole].view(-1, ce))
+            if whole < dense.numel():
+                span[full * ce :].copy_(dense[whole:])
