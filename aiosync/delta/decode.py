@@ -21,23 +21,22 @@ from aiosync.delta.format import (
     DENSE,
     POSITIONS,
     DeltaHeader,
-    bit_weights,
     sections,
 )
-from aiosync.delta.ops import flat_bits, nonzero_flat, to_device, unpack_bits
+from aiosync.delta.ops import flat_bits, nonzero_flat, set_bits, to_device, unpack_bits
 
 _CHECKS = (
     "a position outside its chunk",
     "positions not strictly increasing within a chunk",
-    "a bitmask whose set bits differ from its chunk's value count",
     "bits set past the end of the last chunk's bitmask",
+    "a bitmask whose set bits differ from its chunk's value count",
 )
 
 
 def _payload_on(payload: torch.Tensor, device: torch.device, bad: ProtocolError) -> torch.Tensor:
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise bad
-    payload = payload.to(device)
+    payload = payload.to(device, non_blocking=True)
     if not payload.is_contiguous() or payload.storage_offset() % 8:
         payload = payload.clone()  # the sections are read as wider integers
     return payload
@@ -121,19 +120,21 @@ class _Steps:
             oks[1] = (where[1:] > where[:-1]).all()
             self.where = where
         if len(self.bm_chunks):
-            bits = unpack_bits(self.bitmask, bit_weights(device))
             full = count // ce
             whole = int((self.bm_chunks < full).sum())
-            expected = to_device(self.bm_values, device)
-            sums = torch.empty(len(self.bm_chunks), dtype=torch.int64, device=device)
+            expected = to_device(self.bm_values.to(torch.int32), device)
+            sums = torch.empty(len(self.bm_chunks), dtype=torch.int32, device=device)
+            ones = set_bits(self.bitmask)
             if whole:
-                torch.sum(bits[: whole * ce].view(whole, ce), 1, out=sums[:whole])
+                rows = ones[: whole * ce // 8].view(whole, ce // 8)
+                torch.sum(rows, 1, dtype=torch.int32, out=sums[:whole])
             if whole < len(self.bm_chunks):  # the last, shorter chunk
-                length = count - full * ce
-                torch.sum(bits[whole * ce : whole * ce + length], 0, out=sums[whole])
-                oks[3] = ~bits[whole * ce + length :].any()
-            oks[2] = (sums == expected).all()
-            self.set_bits = bits
+                torch.sum(ones[whole * ce // 8 :], 0, dtype=torch.int32, out=sums[whole])
+                unused = 8 * (self.bitmask.numel() - whole * ce // 8) - (count - full * ce)
+                if unused:  # the low bits of the last byte
+                    oks[2] = (self.bitmask[-1:] & ((1 << unused) - 1)).eq(0).all()
+            oks[3] = (sums == expected).all()
+            self.set_bits = unpack_bits(self.bitmask)
         return [bool(ok) for ok in torch.stack(oks).tolist()]
 
     def write(self, span: torch.Tensor) -> None:
@@ -145,9 +146,11 @@ class _Steps:
         if self.where is not None:
             span.index_copy_(0, self.where, self.values[:g_pos])
         if g_bm and self.set_bits is not None:
-            found = nonzero_flat(self.set_bits, g_bm)
-            chunk = to_device(self.bm_chunks, device)[found // ce]
-            span.index_copy_(0, chunk * ce + found % ce, self.values[g_pos : g_pos + g_bm])
+            found = nonzero_flat(self.set_bits, g_bm)  # offsets in the bitmask chunks
+            if len(self.bm_chunks) != len(header.kinds):  # to offsets in the span
+                chunk = to_device(self.bm_chunks, device)[found // ce]
+                found = chunk * ce + found % ce
+            span.index_copy_(0, found, self.values[g_pos : g_pos + g_bm])
         if len(self.dense_chunks):
             dense = self.values[g_pos + g_bm :]
             rows = self.dense_chunks[self.dense_chunks < full]

@@ -34,11 +34,14 @@ from functools import lru_cache
 
 import torch
 
+from aiosync.delta.ops import to_device
+
 ROW_BYTES = 4096
 """Bytes per row of the first stage."""
 COLUMNS = 8
 """Outputs per row (int32 each)."""
 _MIN_ROWS = 17  # CUDA's int8 matrix product takes more than 16 rows
+_STAGED_ROWS = 1024  # rows too short for a product of their own, multiplied together
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _LENGTH = 0xD6E8FEB86659FD93
@@ -78,7 +81,7 @@ def _splitmix64(state: int) -> int:
 
 
 @lru_cache(maxsize=8)
-def _matrix(key: int) -> torch.Tensor:
+def first_stage_matrix(key: int) -> torch.Tensor:
     """The first stage's matrix for ``key``, ``(COLUMNS, ROW_BYTES)`` int8 (CPU)."""
     seed = fmix64(key ^ 0x61696F73796E63)  # "aiosync"
     entries = []
@@ -86,6 +89,11 @@ def _matrix(key: int) -> torch.Tensor:
         v = _splitmix64(seed + i * _GOLDEN) % 254
         entries.append(v - 127 if v < 127 else v - 126)
     return torch.tensor(entries, dtype=torch.int8).view(COLUMNS, ROW_BYTES)
+
+
+@lru_cache(maxsize=16)
+def _matrix_on(key: int, device: torch.device) -> torch.Tensor:
+    return to_device(first_stage_matrix(key), device)
 
 
 def row_products(rows: torch.Tensor, matrix_t: torch.Tensor, out: torch.Tensor) -> None:
@@ -124,13 +132,28 @@ class VersionDigest:
     def _open(self, device: torch.device) -> None:
         if self._device is None:
             self._device = device
-            self._matrix_t = _matrix(self.key).to(device).t()
+            self._matrix_t = _matrix_on(self.key, device).t()
             self._sum = torch.zeros((), dtype=torch.int64, device=device)
-            self._out = torch.empty(self._block_rows, COLUMNS, dtype=torch.int32, device=device)
-            staged = min(self._block_rows, 1024)
-            self._staged = torch.zeros(staged, ROW_BYTES, dtype=torch.int8, device=device)
+            self._out = torch.empty(_MIN_ROWS, COLUMNS, dtype=torch.int32, device=device)
+            self._staged = torch.zeros(_MIN_ROWS, ROW_BYTES, dtype=torch.int8, device=device)
         elif device != self._device:
             raise ValueError(f"a digest runs on one device: {self._device}, then {device}")
+
+    def _room(self, rows: int) -> int:
+        """Grow the output buffer towards ``filled + rows`` rows; the rows it has room for."""
+        out = self._out
+        assert out is not None
+        want = min(self._block_rows, self._filled + rows)
+        if want > len(out):
+            grown = torch.empty(
+                min(self._block_rows, max(want, 2 * len(out))),
+                COLUMNS,
+                dtype=out.dtype,
+                device=out.device,
+            )
+            grown[: self._filled].copy_(out[: self._filled])
+            self._out = out = grown
+        return len(out) - self._filled
 
     def update(self, tensor: torch.Tensor) -> None:
         """Add ``tensor``'s contiguous bytes as the next item of the sequence."""
@@ -145,7 +168,8 @@ class VersionDigest:
         if whole >= _MIN_ROWS:
             rows = data[: whole * ROW_BYTES].view(whole, ROW_BYTES)
             while done < whole:  # blocks of at least _MIN_ROWS rows each
-                left, room = whole - done, self._block_rows - self._filled
+                left = whole - done
+                room = self._room(left)
                 take = min(room, left)
                 if 0 < left - take < _MIN_ROWS:
                     take = left - _MIN_ROWS
@@ -164,14 +188,24 @@ class VersionDigest:
 
         They are multiplied with other such rows at the next flush.
         """
-        staged = self._staged
-        assert staged is not None
         rows = -(-data.numel() // ROW_BYTES)
         if not rows:
             return
-        if self._filled + rows > self._block_rows or len(self._slots) + rows > len(staged):
+        if self._room(rows) < rows or len(self._slots) + rows > _STAGED_ROWS:
             self._flush()
+            self._room(rows)
+        staged = self._staged
+        assert staged is not None
         first = len(self._slots)
+        if first + rows > len(staged):
+            grown = torch.zeros(
+                min(_STAGED_ROWS, max(first + rows, 2 * len(staged))),
+                ROW_BYTES,
+                dtype=staged.dtype,
+                device=staged.device,
+            )
+            grown[:first].copy_(staged[:first])
+            self._staged = staged = grown
         staged[first : first + rows].view(-1)[: data.numel()].copy_(data)
         self._slots.extend(range(self._filled, self._filled + rows))
         self._filled += rows
@@ -188,8 +222,8 @@ class VersionDigest:
             block = torch.empty(max(n, _MIN_ROWS), COLUMNS, dtype=torch.int32, device=out.device)
             row_products(staged[: len(block)], self._matrix_t, block)
             slots = torch.tensor(self._slots, dtype=torch.int64)
-            out.index_copy_(0, slots.to(out.device), block[:n])
-            staged.zero_()
+            out.index_copy_(0, to_device(slots, out.device), block[:n])
+            staged[:n].zero_()
             self._slots.clear()
         words = out[: self._filled].view(torch.int64).reshape(-1)
         x = torch.arange(

@@ -24,14 +24,13 @@ from aiosync.delta.format import (
     KIND_NAMES,
     POSITIONS,
     DeltaHeader,
-    bit_weights,
     chunk_elems_for,
     chunk_lengths,
     encoding_bytes,
     header_nbytes,
     sections,
 )
-from aiosync.delta.ops import HostCopy, flat_bits, nonzero_flat, pack_bits, to_device
+from aiosync.delta.ops import HostCopy, count_rows, flat_bits, nonzero_flat, pack_bits, to_device
 
 
 @dataclass(frozen=True)
@@ -72,14 +71,15 @@ class Measured:
         self.new_bits = flat_bits(new)[start : start + count]
         base_bits = flat_bits(base)[start : start + count]
         if base_bits.device != self.new_bits.device:
-            base_bits = base_bits.to(self.new_bits.device)
+            base_bits = base_bits.to(self.new_bits.device, non_blocking=True)
         self.mask = self.new_bits != base_bits
         full, tail = divmod(count, chunk_elems)
-        counts = torch.empty(full + (1 if tail else 0), dtype=torch.int64, device=new.device)
+        counts = torch.empty(full + (1 if tail else 0), dtype=torch.int32, device=new.device)
+        rows = self.mask[: full * chunk_elems].view(full, chunk_elems)
         if full:
-            torch.sum(self.mask[: full * chunk_elems].view(full, chunk_elems), 1, out=counts[:full])
+            count_rows(rows, counts[:full])
         if tail:
-            torch.sum(self.mask[full * chunk_elems :], 0, out=counts[full])
+            torch.sum(self.mask[full * chunk_elems :], 0, dtype=torch.int32, out=counts[full])
         self._counts = HostCopy(counts)
 
     @property
@@ -89,7 +89,7 @@ class Measured:
 
     def header(self) -> tuple[DeltaHeader, torch.Tensor]:
         """The span's header and its changed elements per chunk (waits for the counts)."""
-        counts = self._counts.get()
+        counts = self._counts.get().to(torch.int64)
         lengths = chunk_lengths(self.count, self.chunk_elems)
         costs = torch.stack(encoding_bytes(lengths, counts, self.dtype.itemsize))
         kinds = costs.argmin(0).to(torch.uint8)  # the first of equal costs
@@ -171,26 +171,30 @@ def write_delta(measured: Measured, out: torch.Tensor | None = None) -> EncodedD
     new, changed_mask = measured.new_bits, measured.mask
     ce, count, kinds = header.chunk_elems, header.count, header.kinds
     full = count // ce
-    if g_pos:
-        pos_chunks = _spans_of(kinds, POSITIONS)
-        found = nonzero_flat(_only(changed_mask, pos_chunks, changed, header), g_pos)
-        payload[p_at : p_at + 4 * n_pos].view(torch.int32).copy_(found.remainder(ce))
-        torch.index_select(new, 0, found, out=values[:g_pos])
+    if g_pos + g_bm:  # one pass finds the changes of positions and bitmask chunks
+        sparse = _only(changed_mask, (kinds != DENSE).nonzero().view(-1), changed, header)
+        found = nonzero_flat(sparse, g_pos + g_bm)
+        in_positions, in_bitmasks = found, found
+        if g_pos and g_bm:  # both kinds: split by the kind of each change's chunk
+            kind = to_device(kinds, device)[found // ce]
+            in_positions = found[nonzero_flat(kind == POSITIONS, g_pos)]
+            in_bitmasks = found[nonzero_flat(kind == BITMASK, g_bm)]
+        if g_pos:
+            payload[p_at : p_at + 4 * n_pos].view(torch.int32).copy_(in_positions.remainder(ce))
+            torch.index_select(new, 0, in_positions, out=values[:g_pos])
+        if g_bm:
+            torch.index_select(new, 0, in_bitmasks, out=values[g_pos : g_pos + g_bm])
     bm_chunks = _spans_of(kinds, BITMASK)
     if len(bm_chunks):
-        if g_bm:
-            found = nonzero_flat(_only(changed_mask, bm_chunks, changed, header), g_bm)
-            torch.index_select(new, 0, found, out=values[g_pos : g_pos + g_bm])
-        weights = bit_weights(device)
         rows = _rows(changed_mask, bm_chunks, header)
         packed = payload[b_at : b_at + n_bm_bytes]
         whole = 0 if rows is None else rows.numel() // 8
         if rows is not None:
-            pack_bits(rows.reshape(-1), weights, packed[:whole])
+            pack_bits(rows.reshape(-1), packed[:whole])
         if int(bm_chunks[-1]) == full:  # the last, shorter chunk
             tail = torch.zeros(n_bm_bytes * 8 - whole * 8, dtype=torch.bool, device=device)
             tail[: count - full * ce] = changed_mask[full * ce :]
-            pack_bits(tail, weights, packed[whole:])
+            pack_bits(tail, packed[whole:])
     dense_chunks = _spans_of(kinds, DENSE)
     if len(dense_chunks):
         dense = values[g_pos + g_bm :]

@@ -9,7 +9,7 @@ unchanged chunk is a positions chunk with no entries and costs nothing in the pa
 The header (:class:`DeltaHeader`, little-endian, :meth:`DeltaHeader.to_bytes`)::
 
     magic "ADL1" | format 1 (u8) | dtype code (u8) | ndim (u8) | flags 0 (u8)
-    chunk_elems (u32) | start (u64) | count (u64) | nchunks (u32) | reserved 0 (u32)
+    chunk_elems (u32) | start (u64) | count (u64) | nchunks (u32)
     dims (u64 x ndim) | values per chunk (u32 x nchunks) | kind per chunk (u8 x nchunks)
 
 A chunk's value count is the number of changed elements for positions and bitmask chunks
@@ -18,8 +18,8 @@ starting at a multiple of 8 bytes, their sizes a function of the header alone
 (:func:`sections`): the values (the tensor's dtype: the positions chunks' values, then the
 bitmask chunks', then the dense chunks', each group in chunk order); the positions (int32,
 element offsets inside their chunk, strictly increasing within a chunk); the bitmasks
-(``ceil(length / 8)`` bytes per bitmask chunk, bit ``i % 8`` of byte ``i // 8`` for
-element ``i``, unused bits of the last byte zero).
+(``ceil(length / 8)`` bytes per bitmask chunk, element ``i`` in bit ``7 - i % 8`` of byte
+``i // 8``, the most significant bit first; unused bits of the last byte zero).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ MAX_CHUNK_ELEMS = 1 << 30
 """Largest chunk a header may declare (positions are int32 offsets inside a chunk)."""
 MAX_NDIM = 32
 
-_FIXED = struct.Struct("<4sBBBBIQQII")
+_FIXED = struct.Struct("<4sBBBBIQQI")
 _SECTION_ALIGN = 8
 
 # Codes are positions in this tuple; append only (a code's meaning never changes).
@@ -177,7 +177,6 @@ class DeltaHeader:
             self.start,
             self.count,
             self.nchunks,
-            0,
         )
         dims = struct.pack(f"<{len(self.shape)}Q", *self.shape)
         values = self.values.to(torch.int32).numpy().astype("<u4").tobytes()
@@ -200,13 +199,11 @@ class DeltaHeader:
 
         if len(raw) < _FIXED.size:
             raise bad(f"truncated ({len(raw)} bytes, at least {_FIXED.size} needed)")
-        magic, fmt, code, ndim, flags, chunk, start, count, nchunks, reserved = _FIXED.unpack_from(
-            raw
-        )
+        magic, fmt, code, ndim, flags, chunk, start, count, nchunks = _FIXED.unpack_from(raw)
         if magic != MAGIC or fmt != FORMAT:
             raise bad(f"not a format-{FORMAT} delta (magic {magic!r}, format {fmt})")
-        if flags or reserved:
-            raise bad("reserved fields are not zero")
+        if flags:
+            raise bad("reserved flags are not zero")
         if code >= len(DTYPE_CODES):
             raise bad(f"unknown dtype code {code}")
         dtype = dtype_from_name(DTYPE_CODES[code])
@@ -256,7 +253,9 @@ class DeltaHeader:
                 version=version,
             )
         if not base.is_contiguous():
-            raise MismatchError("a delta applies to contiguous tensors only", tensor=tensor)
+            raise MismatchError(
+                "a delta applies to contiguous tensors only", tensor=tensor, version=version
+            )
 
 
 def sections(header: DeltaHeader) -> Sections:
@@ -289,8 +288,3 @@ def max_payload_bytes(count: int, dtype: torch.dtype) -> int:
 def header_nbytes(header: DeltaHeader) -> int:
     """Bytes of ``header`` as :meth:`DeltaHeader.to_bytes` writes it."""
     return _FIXED.size + 8 * len(header.shape) + 5 * header.nchunks
-
-
-def bit_weights(device: torch.device) -> torch.Tensor:
-    """``[1, 2, 4, ..., 128]`` as uint8 on ``device``: element ``i``'s bit in its byte."""
-    return torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)

@@ -21,8 +21,10 @@ def nonzero_flat(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Positions (int64) of the ``count`` set elements of the 1-D ``mask``, in order.
 
     ``count`` must be the true number (the caller knows it from the chunk table), which
-    lets the device skip counting them again and the host skip waiting for the count.
+    lets a CUDA device skip counting them again and the host skip waiting for the count.
     """
+    if mask.device.type == "cpu":  # nothing to wait for, and plain nonzero is faster there
+        return torch.nonzero(mask).view(-1)
     try:
         found = torch.nonzero_static(mask, size=count)
     except (RuntimeError, NotImplementedError):  # a device without nonzero_static
@@ -57,11 +59,53 @@ class HostCopy:
         return self._host
 
 
-def pack_bits(bits: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
-    """Pack a 1-D bool tensor (length a multiple of 8) into ``out`` (uint8), 8 per byte."""
-    torch.sum(bits.view(torch.uint8).view(-1, 8) * weights, dim=1, dtype=torch.uint8, out=out)
+_SPREAD = 0x8040201008040201 - (1 << 64)  # bits 0, 9, 18, ..., 63 (as a signed int64)
+_HIGH_BITS = 0x8080808080808080 - (1 << 64)
+_LOW_BITS = 0x0101010101010101
 
 
-def unpack_bits(packed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The bool tensor of ``8 * len(packed)`` bits that :func:`pack_bits` packed."""
-    return (packed.view(-1, 1) & weights).view(-1).ne(0)
+def pack_bits(bits: torch.Tensor, out: torch.Tensor) -> None:
+    """Pack a flat bool tensor (length a multiple of 8, 8-byte aligned) into ``out`` (uint8).
+
+    Eight elements a byte, the first in the most significant bit. Each group of eight bools
+    is read as one int64 whose bytes are 0 or 1; one product moves those bits into its top
+    byte, with no two partial products overlapping (so no carries): four passes over an
+    eighth of the elements, on any device.
+    """
+    words = bits.view(torch.uint8).view(torch.int64) * _SPREAD
+    words >>= 56
+    words &= 0xFF
+    out.copy_(words)
+
+
+def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The flat bool tensor of ``8 * len(packed)`` elements that :func:`pack_bits` packed."""
+    words = packed.to(torch.int64)
+    words *= _SPREAD  # bit 7 - k of the byte lands on bit 7 of byte k, nothing overlaps
+    words &= _HIGH_BITS
+    words >>= 7
+    words &= _LOW_BITS
+    return words.view(torch.uint8).view(torch.bool)
+
+
+def count_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """The set elements of each row of a 2-D bool tensor, into ``out`` (int32 or int64).
+
+    On the CPU, eight bools are summed as one int64 (one product puts their sum in the
+    top byte); CUDA reduces the bools directly.
+    """
+    if rows.device.type != "cpu" or rows.shape[1] % 8:
+        torch.sum(rows, 1, dtype=out.dtype, out=out)
+        return
+    words = rows.view(torch.uint8).view(torch.int64) * _LOW_BITS
+    words >>= 56
+    torch.sum(words, 1, dtype=out.dtype, out=out)
+
+
+def set_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The number of set bits of each byte of ``packed`` (uint8, same shape)."""
+    x = packed - ((packed >> 1) & 0x55)
+    x = (x & 0x33) + ((x >> 2) & 0x33)
+    x += x >> 4
+    x &= 0x0F
+    return x
