@@ -132,10 +132,14 @@ class BaseStore:
             if held is not None and held.version == version:
                 return i
         in_use = set(self._engines.values()) | {self._newest}
+        oldest: tuple[int, int] | None = None  # (version, slot)
         for i, held in enumerate(self._held):
             if held is None or held.version not in in_use:
                 return i
-        return min(range(len(self._held)), key=lambda i: self._held[i].version)  # type: ignore[union-attr]
+            if oldest is None or held.version < oldest[0]:
+                oldest = (held.version, i)
+        assert oldest is not None
+        return oldest[1]
 
     def keep(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Base:
         """Copy ``tensors`` (the version as sent, in manifest order) into a slot.

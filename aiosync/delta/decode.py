@@ -21,6 +21,7 @@ from aiosync.delta.format import (
     DENSE,
     POSITIONS,
     DeltaHeader,
+    bits_dtype,
     sections,
 )
 from aiosync.delta.ops import flat_bits, nonzero_flat, set_bits, to_device, unpack_bits
@@ -87,8 +88,8 @@ class _Steps:
     def __init__(self, header: DeltaHeader, payload: torch.Tensor, device: torch.device) -> None:
         self.header, self.device = header, device
         sec = sections(header)
-        bits = flat_bits(torch.empty(0, dtype=header.dtype))
-        self.values = payload[: sec.values[1] * header.dtype.itemsize].view(bits.dtype)
+        bits = bits_dtype(header.dtype)
+        self.values = payload[: sec.values[1] * header.dtype.itemsize].view(bits)
         self.groups = sec.value_groups
         at, n = sec.positions
         self.positions = payload[at : at + 4 * n].view(torch.int32)

@@ -24,6 +24,7 @@ from aiosync.delta.format import (
     KIND_NAMES,
     POSITIONS,
     DeltaHeader,
+    bits_dtype,
     chunk_elems_for,
     chunk_lengths,
     encoding_bytes,
@@ -208,6 +209,7 @@ def write_delta(measured: Measured, out: torch.Tensor | None = None) -> EncodedD
 
 
 def _check_pair(new: torch.Tensor, base: torch.Tensor, tensor: str | None) -> None:
+    bits_dtype(new.dtype, tensor=tensor)
     if new.dtype != base.dtype or new.shape != base.shape:
         raise MismatchError(
             f"cannot diff {new.dtype}{list(new.shape)} against {base.dtype}{list(base.shape)}",

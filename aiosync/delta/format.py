@@ -32,7 +32,7 @@ import numpy
 import torch
 
 from aiosync.core.errors import MismatchError, ProtocolError
-from aiosync.core.layout import dtype_from_name, dtype_name
+from aiosync.core.layout import DTYPE_NAMES, dtype_from_name, dtype_name
 
 POSITIONS = 0
 """A chunk sent as the int32 positions of its changed elements and their values."""
@@ -73,15 +73,15 @@ DTYPE_CODES = (
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+def bits_dtype(dtype: torch.dtype, *, tensor: str | None = None) -> torch.dtype:
     """The integer dtype of ``dtype``'s width, in which elements are compared and moved.
 
     Comparing bit patterns makes the delta exact: ``-0.0`` differs from ``0.0`` and a NaN
     keeps its payload. :class:`MismatchError` for a dtype no delta carries.
     """
-    name = dtype_name(dtype)
+    name = DTYPE_NAMES.get(dtype)
     if name not in DTYPE_CODES:
-        raise MismatchError(f"no delta encoding for {name}; send it dense")
+        raise MismatchError(f"no delta encoding for {dtype}; send it dense", tensor=tensor)
     return _BITS_DTYPES[dtype.itemsize]
 
 
