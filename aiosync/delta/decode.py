@@ -13,6 +13,7 @@ count, and the unused bits of a last, shorter chunk's bitmask clear. Any failure
 
 from __future__ import annotations
 
+import numpy
 import torch
 
 from aiosync.core.errors import ProtocolError
@@ -22,7 +23,6 @@ from aiosync.delta.format import (
     POSITIONS,
     DeltaHeader,
     bits_dtype,
-    sections,
 )
 from aiosync.delta.ops import flat_bits, nonzero_flat, set_bits, to_device, unpack_bits
 
@@ -61,7 +61,7 @@ def apply_delta(
     if not isinstance(header, DeltaHeader):
         header = DeltaHeader.from_bytes(header, tensor=tensor, version=version)
     header.check_fits(base, tensor=tensor, version=version)
-    sec = sections(header)
+    sec = header.sections
     payload = _payload_on(
         payload,
         base.device,
@@ -76,7 +76,7 @@ def apply_delta(
             version=version,
         )
     steps = _Steps(header, payload, base.device)
-    failed = [reason for reason, ok in zip(_CHECKS, steps.checks(), strict=True) if not ok]
+    failed = steps.failures()
     if failed:
         raise ProtocolError(f"delta refused: {failed[0]}", tensor=tensor, version=version)
     steps.write(flat_bits(base)[header.start : header.start + header.count])
@@ -87,7 +87,7 @@ class _Steps:
 
     def __init__(self, header: DeltaHeader, payload: torch.Tensor, device: torch.device) -> None:
         self.header, self.device = header, device
-        sec = sections(header)
+        sec = header.sections
         bits = bits_dtype(header.dtype)
         self.values = payload[: sec.values[1] * header.dtype.itemsize].view(bits)
         self.groups = sec.value_groups
@@ -96,18 +96,18 @@ class _Steps:
         at, n = sec.bitmask
         self.bitmask = payload[at : at + n]
         kinds, values = header.kinds, header.values
-        self.pos_chunks = (kinds == POSITIONS).nonzero().view(-1)
-        self.bm_chunks = (kinds == BITMASK).nonzero().view(-1)
-        self.dense_chunks = (kinds == DENSE).nonzero().view(-1)
-        self.bm_values = values[self.bm_chunks]
+        self.pos_chunks = numpy.flatnonzero(kinds == POSITIONS)
+        self.bm_chunks = numpy.flatnonzero(kinds == BITMASK)
+        self.dense_chunks = numpy.flatnonzero(kinds == DENSE)
+        self.bm_values = values[self.bm_chunks].astype(numpy.int32)
         self.where: torch.Tensor | None = None  # span offsets of the positions' values
         self.set_bits: torch.Tensor | None = None  # the bitmask chunks' bits, concatenated
 
-    def checks(self) -> list[bool]:
-        """Each of the decoder's device checks, passed or not (one wait for all)."""
+    def failures(self) -> list[str]:
+        """The device checks that fail, in the order of ``_CHECKS`` (one wait for all)."""
         header, device = self.header, self.device
         ce, count = header.chunk_elems, header.count
-        oks = [torch.ones((), dtype=torch.bool, device=device) for _ in _CHECKS]
+        checks: list[tuple[str, torch.Tensor]] = []
         if self.groups[0]:
             per_chunk = header.values[self.pos_chunks]
             chunk_of = torch.repeat_interleave(
@@ -117,13 +117,13 @@ class _Steps:
             )
             pos = self.positions.to(torch.int64)
             where = pos + chunk_of * ce
-            oks[0] = ((pos >= 0) & (pos < ce) & (where < count)).all()
-            oks[1] = (where[1:] > where[:-1]).all()
+            checks.append((_CHECKS[0], ((pos >= 0) & (pos < ce) & (where < count)).all()))
+            checks.append((_CHECKS[1], (where[1:] > where[:-1]).all()))
             self.where = where
         if len(self.bm_chunks):
             full = count // ce
             whole = int((self.bm_chunks < full).sum())
-            expected = to_device(self.bm_values.to(torch.int32), device)
+            expected = to_device(self.bm_values, device)
             sums = torch.empty(len(self.bm_chunks), dtype=torch.int32, device=device)
             ones = set_bits(self.bitmask)
             if whole:
@@ -133,10 +133,14 @@ class _Steps:
                 torch.sum(ones[whole * ce // 8 :], 0, dtype=torch.int32, out=sums[whole])
                 unused = 8 * (self.bitmask.numel() - whole * ce // 8) - (count - full * ce)
                 if unused:  # the low bits of the last byte
-                    oks[2] = (self.bitmask[-1:] & ((1 << unused) - 1)).eq(0).all()
-            oks[3] = (sums == expected).all()
+                    clear = (self.bitmask[-1:] & ((1 << unused) - 1)).eq(0).all()
+                    checks.append((_CHECKS[2], clear))
+            checks.append((_CHECKS[3], (sums == expected).all()))
             self.set_bits = unpack_bits(self.bitmask)
-        return [bool(ok) for ok in torch.stack(oks).tolist()]
+        if not checks:
+            return []
+        passed = torch.stack([ok for _, ok in checks]).tolist()
+        return [reason for (reason, _), ok in zip(checks, passed, strict=True) if not ok]
 
     def write(self, span: torch.Tensor) -> None:
         """Write the checked values into ``span`` (the base's elements the header covers)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from aiosync.core.errors import MismatchError, UsageError
@@ -24,12 +25,13 @@ from aiosync.delta.format import (
     KIND_NAMES,
     POSITIONS,
     DeltaHeader,
+    Kinds,
+    Table,
     bits_dtype,
     chunk_elems_for,
     chunk_lengths,
     encoding_bytes,
     header_nbytes,
-    sections,
 )
 from aiosync.delta.ops import HostCopy, count_rows, flat_bits, nonzero_flat, pack_bits, to_device
 
@@ -88,28 +90,26 @@ class Measured:
         """Where the span lives (and its payload is written)."""
         return self.new_bits.device
 
-    def header(self) -> tuple[DeltaHeader, torch.Tensor]:
+    def header(self) -> tuple[DeltaHeader, Table]:
         """The span's header and its changed elements per chunk (waits for the counts)."""
-        counts = self._counts.get().to(torch.int64)
+        counts = self._counts.get().numpy().astype(numpy.int64)
         lengths = chunk_lengths(self.count, self.chunk_elems)
-        costs = torch.stack(encoding_bytes(lengths, counts, self.dtype.itemsize))
-        kinds = costs.argmin(0).to(torch.uint8)  # the first of equal costs
-        values = torch.where(kinds == DENSE, lengths, counts)
+        costs = numpy.stack(encoding_bytes(lengths, counts, self.dtype.itemsize))
+        kinds = costs.argmin(0).astype(numpy.uint8)  # the first of equal costs
+        values = numpy.where(kinds == DENSE, lengths, counts)
         header = DeltaHeader(
             self.dtype, self.shape, self.chunk_elems, self.start, self.count, kinds, values
         )
         return header, counts
 
 
-def _spans_of(kinds: torch.Tensor, kind: int) -> torch.Tensor:
-    return (kinds == kind).nonzero().view(-1)
+def _spans_of(kinds: Kinds, kind: int) -> Table:
+    return numpy.flatnonzero(kinds == kind)
 
 
-def _only(
-    mask: torch.Tensor, chunks: torch.Tensor, changed: torch.Tensor, header: DeltaHeader
-) -> torch.Tensor:
+def _only(mask: torch.Tensor, chunks: Table, changed: Table, header: DeltaHeader) -> torch.Tensor:
     """The changed ``mask`` with the elements outside ``chunks`` (chunk indices) cleared."""
-    keep = torch.zeros(len(changed), dtype=torch.bool)
+    keep = numpy.zeros(len(changed), dtype=numpy.bool_)
     keep[chunks] = True
     if bool((keep | (changed == 0)).all()):
         return mask  # nothing is set outside them
@@ -128,7 +128,7 @@ def _only(
     return out
 
 
-def _rows(flat: torch.Tensor, chunks: torch.Tensor, header: DeltaHeader) -> torch.Tensor | None:
+def _rows(flat: torch.Tensor, chunks: Table, header: DeltaHeader) -> torch.Tensor | None:
     """The whole chunks among ``chunks`` as rows of ``flat`` (a copy unless all of them)."""
     ce = header.chunk_elems
     full = header.count // ce
@@ -148,7 +148,7 @@ def write_delta(measured: Measured, out: torch.Tensor | None = None) -> EncodedD
     :func:`~aiosync.delta.format.max_payload_bytes` long (:class:`UsageError` if not).
     """
     header, changed = measured.header()
-    sec = sections(header)
+    sec = header.sections
     device, bits = measured.device, measured.new_bits.dtype
     if out is None:
         payload = torch.empty(sec.nbytes, dtype=torch.uint8, device=device)
@@ -173,7 +173,7 @@ def write_delta(measured: Measured, out: torch.Tensor | None = None) -> EncodedD
     ce, count, kinds = header.chunk_elems, header.count, header.kinds
     full = count // ce
     if g_pos + g_bm:  # one pass finds the changes of positions and bitmask chunks
-        sparse = _only(changed_mask, (kinds != DENSE).nonzero().view(-1), changed, header)
+        sparse = _only(changed_mask, numpy.flatnonzero(kinds != DENSE), changed, header)
         found = nonzero_flat(sparse, g_pos + g_bm)
         in_positions, in_bitmasks = found, found
         if g_pos and g_bm:  # both kinds: split by the kind of each change's chunk

@@ -15,8 +15,9 @@ The header (:class:`DeltaHeader`, little-endian, :meth:`DeltaHeader.to_bytes`)::
 A chunk's value count is the number of changed elements for positions and bitmask chunks
 and its length for a dense one. The payload (flat ``uint8``) holds three sections, each
 starting at a multiple of 8 bytes, their sizes a function of the header alone
-(:func:`sections`): the values (the tensor's dtype: the positions chunks' values, then the
-bitmask chunks', then the dense chunks', each group in chunk order); the positions (int32,
+(:attr:`DeltaHeader.sections`): the values (the tensor's dtype: the positions chunks'
+values, then the bitmask chunks', then the dense chunks', each group in chunk order); the
+positions (int32,
 element offsets inside their chunk, strictly increasing within a chunk); the bitmasks
 (``ceil(length / 8)`` bytes per bitmask chunk, element ``i`` in bit ``7 - i % 8`` of byte
 ``i // 8``, the most significant bit first; unused bits of the last byte zero).
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TypeVar
 
 import numpy
+import numpy.typing as npt
 import torch
 
 from aiosync.core.errors import MismatchError, ProtocolError
@@ -90,13 +93,17 @@ def chunk_elems_for(dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(8, min(MAX_CHUNK_ELEMS, chunk_bytes // dtype.itemsize) // 8 * 8)
 
 
-Count = TypeVar("Count", int, torch.Tensor)
+Table = npt.NDArray[numpy.int64]
+"""One integer per chunk (host memory)."""
+Kinds = npt.NDArray[numpy.uint8]
+"""Each chunk's encoding (host memory)."""
+Count = TypeVar("Count", int, Table)
 
 
 def encoding_bytes(length: Count, changed: Count, itemsize: int) -> tuple[Count, Count, Count]:
     """Payload bytes of a chunk of ``length`` elements, ``changed`` of them changed, per kind.
 
-    ``(positions, bitmask, dense)``; works on ints and on integer tensors (per chunk). The
+    ``(positions, bitmask, dense)``; works on ints and on integer arrays (per chunk). The
     encoder picks the smallest (the first of equals), and the cost model estimates with it.
     """
     positions = changed * (4 + itemsize)
@@ -105,10 +112,10 @@ def encoding_bytes(length: Count, changed: Count, itemsize: int) -> tuple[Count,
     return positions, bitmask, dense
 
 
-def chunk_lengths(count: int, chunk_elems: int) -> torch.Tensor:
-    """Elements of each chunk of a span of ``count`` elements (int64, CPU)."""
+def chunk_lengths(count: int, chunk_elems: int) -> Table:
+    """Elements of each chunk of a span of ``count`` elements."""
     nchunks = -(-count // chunk_elems)
-    lengths = torch.full((nchunks,), chunk_elems, dtype=torch.int64)
+    lengths = numpy.full(nchunks, chunk_elems, dtype=numpy.int64)
     if nchunks:
         lengths[-1] = count - (nchunks - 1) * chunk_elems
     return lengths
@@ -129,11 +136,11 @@ class Sections:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DeltaHeader:
     """What a payload encodes: the tensor's dtype and shape, the span, each chunk's encoding.
 
-    ``kinds`` (uint8) and ``values`` (int64) are CPU tensors with one entry per chunk.
+    ``kinds`` and ``values`` (each chunk's value count) are arrays with one entry per chunk.
     """
 
     dtype: torch.dtype
@@ -141,8 +148,8 @@ class DeltaHeader:
     chunk_elems: int
     start: int
     count: int
-    kinds: torch.Tensor
-    values: torch.Tensor
+    kinds: Kinds
+    values: Table
 
     @property
     def numel(self) -> int:
@@ -157,13 +164,30 @@ class DeltaHeader:
         """Chunks in the span."""
         return -(-self.count // self.chunk_elems)
 
-    def chunk_lengths(self) -> torch.Tensor:
-        """Elements of each chunk of the span (int64, CPU)."""
+    def chunk_lengths(self) -> Table:
+        """Elements of each chunk of the span."""
         return chunk_lengths(self.count, self.chunk_elems)
 
+    @cached_property
     def sections(self) -> Sections:
-        """The payload's layout this header describes."""
-        return sections(self)
+        """The payload's layout this header describes (see the module's docstring)."""
+        kinds, values = self.kinds, self.values
+        groups = [int(values[kinds == kind].sum()) for kind in (POSITIONS, BITMASK, DENSE)]
+        bitmasks = int((kinds == BITMASK).sum())
+        bitmask_bytes = bitmasks * (self.chunk_elems // 8)
+        if bitmasks and kinds[-1] == BITMASK:  # the last chunk may be shorter
+            last = self.count - (self.nchunks - 1) * self.chunk_elems
+            bitmask_bytes -= self.chunk_elems // 8 - -(-last // 8)
+        value_bytes = sum(groups) * self.dtype.itemsize
+        positions_at = _align(value_bytes)
+        bitmask_at = positions_at + _align(4 * groups[0])
+        return Sections(
+            values=(0, sum(groups)),
+            value_groups=(groups[0], groups[1], groups[2]),
+            positions=(positions_at, groups[0]),
+            bitmask=(bitmask_at, bitmask_bytes),
+            nbytes=bitmask_at + bitmask_bytes,
+        )
 
     def to_bytes(self) -> bytes:
         """The header as it travels (see the module's docstring)."""
@@ -179,8 +203,8 @@ class DeltaHeader:
             self.nchunks,
         )
         dims = struct.pack(f"<{len(self.shape)}Q", *self.shape)
-        values = self.values.to(torch.int32).numpy().astype("<u4").tobytes()
-        return fixed + dims + values + self.kinds.to(torch.uint8).numpy().tobytes()
+        values = self.values.astype("<u4").tobytes()
+        return fixed + dims + values + self.kinds.astype(numpy.uint8).tobytes()
 
     @classmethod
     def from_bytes(
@@ -224,24 +248,20 @@ class DeltaHeader:
             raise bad(f"{nchunks} chunks stated for {count} elements in chunks of {chunk}")
         if len(raw) != dims_end + 5 * nchunks:
             raise bad(f"{len(raw)} bytes where {dims_end + 5 * nchunks} describe {nchunks} chunks")
-        table = numpy.frombuffer(raw, dtype="<u4", count=nchunks, offset=dims_end)
-        values = torch.from_numpy(table.astype(numpy.int64))
-        kinds = torch.from_numpy(
-            numpy.frombuffer(raw, numpy.uint8, offset=dims_end + 4 * nchunks).copy()
-        )
-        header = cls(dtype, tuple(shape), chunk, start, count, kinds, values)
+        values = numpy.frombuffer(raw, "<u4", count=nchunks, offset=dims_end).astype(numpy.int64)
+        kinds = numpy.frombuffer(raw, numpy.uint8, offset=dims_end + 4 * nchunks).copy()
         if nchunks and int(kinds.max()) > DENSE:
             raise bad(f"unknown chunk encoding {int(kinds.max())}")
-        lengths = header.chunk_lengths()
-        over = (values > lengths).nonzero()
+        lengths = chunk_lengths(count, chunk)
+        over = numpy.flatnonzero(values > lengths)
         if len(over):
             i = int(over[0])
-            raise bad(f"chunk {i} states {int(values[i])} values for {int(lengths[i])} elements")
-        short = ((kinds == DENSE) & (values != lengths)).nonzero()
+            raise bad(f"chunk {i} states {values[i]} values for {lengths[i]} elements")
+        short = numpy.flatnonzero((kinds == DENSE) & (values != lengths))
         if len(short):
             i = int(short[0])
-            raise bad(f"dense chunk {i} states {int(values[i])} values, not {int(lengths[i])}")
-        return header
+            raise bad(f"dense chunk {i} states {values[i]} values, not {lengths[i]}")
+        return cls(dtype, tuple(shape), chunk, start, count, kinds, values)
 
     def check_fits(self, base: torch.Tensor, *, tensor: str | None, version: int | None) -> None:
         """:class:`MismatchError` unless ``base`` is a contiguous tensor of this dtype and shape."""
@@ -256,24 +276,6 @@ class DeltaHeader:
             raise MismatchError(
                 "a delta applies to contiguous tensors only", tensor=tensor, version=version
             )
-
-
-def sections(header: DeltaHeader) -> Sections:
-    """The payload layout ``header`` describes (see the module's docstring)."""
-    kinds, values = header.kinds, header.values
-    groups = tuple(int(values[kinds == kind].sum()) for kind in (POSITIONS, BITMASK, DENSE))
-    bm_lengths = header.chunk_lengths()[kinds == BITMASK]
-    bitmask_bytes = int(((bm_lengths + 7) // 8).sum())
-    value_bytes = sum(groups) * header.dtype.itemsize
-    positions_at = _align(value_bytes)
-    bitmask_at = positions_at + _align(4 * groups[0])
-    return Sections(
-        values=(0, sum(groups)),
-        value_groups=(groups[0], groups[1], groups[2]),
-        positions=(positions_at, groups[0]),
-        bitmask=(bitmask_at, bitmask_bytes),
-        nbytes=bitmask_at + bitmask_bytes,
-    )
 
 
 def max_payload_bytes(count: int, dtype: torch.dtype) -> int:

@@ -7,6 +7,10 @@ pinned memory without a synchronisation.
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Any
+
+import numpy.typing as npt
 import torch
 
 from aiosync.delta.format import bits_dtype
@@ -32,8 +36,10 @@ def nonzero_flat(mask: torch.Tensor, count: int) -> torch.Tensor:
     return found.view(-1)
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (a small CPU tensor) on ``device``, copied from pinned memory without a wait."""
+def to_device(host: torch.Tensor | npt.NDArray[Any], device: torch.device) -> torch.Tensor:
+    """``host`` (a small CPU tensor or array) on ``device``, from pinned memory, no wait."""
+    if not isinstance(host, torch.Tensor):
+        host = torch.from_numpy(host)
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
@@ -60,8 +66,6 @@ class HostCopy:
 
 
 _SPREAD = 0x8040201008040201 - (1 << 64)  # bits 0, 9, 18, ..., 63 (as a signed int64)
-_HIGH_BITS = 0x8080808080808080 - (1 << 64)
-_LOW_BITS = 0x0101010101010101
 
 
 def pack_bits(bits: torch.Tensor, out: torch.Tensor) -> None:
@@ -69,23 +73,33 @@ def pack_bits(bits: torch.Tensor, out: torch.Tensor) -> None:
 
     Eight elements a byte, the first in the most significant bit. Each group of eight bools
     is read as one int64 whose bytes are 0 or 1; one product moves those bits into its top
-    byte, with no two partial products overlapping (so no carries): four passes over an
-    eighth of the elements, on any device.
+    byte with no two partial products overlapping (so no carries), and the shift and the
+    conversion to uint8 keep that byte: three passes over an eighth of the elements.
     """
     words = bits.view(torch.uint8).view(torch.int64) * _SPREAD
     words >>= 56
-    words &= 0xFF
-    out.copy_(words)
+    out.copy_(words)  # an integer conversion keeps the low byte
+
+
+@lru_cache(maxsize=16)
+def _byte_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per byte value: its eight bits as bools (most significant first), its set bits."""
+    values = torch.arange(256, dtype=torch.int64)
+    bits = (values.view(-1, 1) >> torch.arange(7, -1, -1)) & 1
+    return bits.bool().to(device), bits.sum(1).to(torch.uint8).to(device)
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The flat bool tensor of ``8 * len(packed)`` elements that :func:`pack_bits` packed."""
-    words = packed.to(torch.int64)
-    words *= _SPREAD  # bit 7 - k of the byte lands on bit 7 of byte k, nothing overlaps
-    words &= _HIGH_BITS
-    words >>= 7
-    words &= _LOW_BITS
-    return words.view(torch.uint8).view(torch.bool)
+    return _byte_tables(packed.device)[0][packed.to(torch.int32)].view(-1)
+
+
+def set_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The number of set bits of each byte of ``packed`` (uint8, same shape)."""
+    return _byte_tables(packed.device)[1][packed.to(torch.int32)]
+
+
+_LOW_BITS = 0x0101010101010101
 
 
 def count_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -100,12 +114,3 @@ def count_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
     words = rows.view(torch.uint8).view(torch.int64) * _LOW_BITS
     words >>= 56
     torch.sum(words, 1, dtype=out.dtype, out=out)
-
-
-def set_bits(packed: torch.Tensor) -> torch.Tensor:
-    """The number of set bits of each byte of ``packed`` (uint8, same shape)."""
-    x = packed - ((packed >> 1) & 0x55)
-    x = (x & 0x33) + ((x >> 2) & 0x33)
-    x += x >> 4
-    x &= 0x0F
-    return x

@@ -12,7 +12,7 @@ import torch
 from aiosync.core.errors import AiosyncError
 from aiosync.delta import BaseStore, apply_delta, encode_delta, encode_tensors, version_digest
 from aiosync.delta.digest import COLUMNS, ROW_BYTES, first_stage_matrix, fmix64, fmix64_
-from aiosync.delta.format import max_payload_bytes, sections
+from aiosync.delta.format import max_payload_bytes
 from aiosync.delta.ops import flat_bits
 from tests.conftest import requires_cuda
 from tests.helpers.deltas import KNOWN_DIGEST, changed_copy, known_version, random_tensor
@@ -78,7 +78,7 @@ def test_refused_deltas_leave_a_cuda_base_untouched() -> None:
     new = base.clone()
     new[[3, 70, 71, 200, 290]] = 1.0
     delta = encode_delta(new, base, chunk_bytes=256)
-    at, n = sections(delta.header).positions
+    at, n = delta.header.sections.positions
     cases = []
     for positions in ([64, 6, 7, 8, 34], [3, 7, 6, 8, 34], [3, 6, 6, 8, 34], [3, 6, 7, 8, 44]):
         bad = delta.payload.clone()

@@ -16,7 +16,6 @@ import torch
 
 from aiosync.core.errors import AiosyncError, MismatchError, ProtocolError
 from aiosync.delta import BITMASK, DENSE, POSITIONS, DeltaHeader, apply_delta, encode_delta
-from aiosync.delta.format import sections
 from aiosync.delta.ops import flat_bits
 from tests.helpers.deltas import changed_copy, random_tensor
 
@@ -124,7 +123,7 @@ def positions_delta() -> tuple[torch.Tensor, DeltaHeader, torch.Tensor]:
 
 
 def with_positions(payload: torch.Tensor, header: DeltaHeader, positions: list[int]):
-    at, n = sections(header).positions
+    at, n = header.sections.positions
     out = payload.clone()
     out[at : at + 4 * n].view(torch.int32).copy_(torch.tensor(positions, dtype=torch.int32))
     return out
@@ -165,7 +164,7 @@ def bitmask_delta() -> tuple[torch.Tensor, DeltaHeader, torch.Tensor]:
 
 def test_a_bitmask_that_disagrees_with_its_count_or_sets_bits_past_the_end_is_refused() -> None:
     base, header, payload = bitmask_delta()
-    at, n = sections(header).bitmask
+    at, n = header.sections.bitmask
     miscounted = payload.clone()
     miscounted[at] ^= 2
     assert "set bits differ" in str(refused(base, header, miscounted))
