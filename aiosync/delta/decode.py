@@ -58,7 +58,9 @@ def apply_delta(
     :class:`ProtocolError` (``tensor`` and ``version`` name what failed) with ``base``
     untouched.
     """
-    if not isinstance(header, DeltaHeader):
+    if isinstance(header, DeltaHeader):
+        header.validate(tensor=tensor, version=version)
+    else:
         header = DeltaHeader.from_bytes(header, tensor=tensor, version=version)
     header.check_fits(base, tensor=tensor, version=version)
     sec = header.sections

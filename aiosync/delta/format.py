@@ -112,6 +112,14 @@ def encoding_bytes(length: Count, changed: Count, itemsize: int) -> tuple[Count,
     return positions, bitmask, dense
 
 
+def _chunk_ok(chunk: int) -> bool:
+    return 0 < chunk <= MAX_CHUNK_ELEMS and chunk % 8 == 0
+
+
+def _bad(reason: str, tensor: str | None, version: int | None) -> ProtocolError:
+    return ProtocolError(f"delta header: {reason}", tensor=tensor, version=version)
+
+
 def chunk_lengths(count: int, chunk_elems: int) -> Table:
     """Elements of each chunk of a span of ``count`` elements."""
     nchunks = -(-count // chunk_elems)
@@ -212,14 +220,12 @@ class DeltaHeader:
     ) -> DeltaHeader:
         """Parse and check a header; :class:`ProtocolError` for anything malformed.
 
-        Checked: magic, format, dtype code, flags, dimensions, chunk size (a multiple of 8
-        up to :data:`MAX_CHUNK_ELEMS`), a span of whole chunks inside the tensor, the stated
-        chunk count, the exact length, known kinds, and each chunk's value count (at most
-        its length; exactly its length when dense).
+        Checked: magic, format, dtype code, flags, dimensions, the stated chunk count, the
+        exact length, then what :meth:`validate` checks.
         """
 
         def bad(reason: str) -> ProtocolError:
-            return ProtocolError(f"delta header: {reason}", tensor=tensor, version=version)
+            return _bad(reason, tensor, version)
 
         if len(raw) < _FIXED.size:
             raise bad(f"truncated ({len(raw)} bytes, at least {_FIXED.size} needed)")
@@ -237,31 +243,58 @@ class DeltaHeader:
         if len(raw) < dims_end:
             raise bad(f"truncated in its dimensions ({len(raw)} bytes)")
         shape = struct.unpack_from(f"<{ndim}Q", raw, _FIXED.size)
-        numel = 1
-        for d in shape:
-            numel *= d
-        if chunk <= 0 or chunk % 8 or chunk > MAX_CHUNK_ELEMS:
+        if not _chunk_ok(chunk):  # before it divides anything
             raise bad(f"chunk of {chunk} elements (a positive multiple of 8 up to 2**30)")
-        if start % chunk or start + count > numel or (count == 0 and numel != 0):
-            raise bad(f"span [{start}, {start + count}) is not whole chunks of {numel} elements")
         if nchunks != -(-count // chunk):
             raise bad(f"{nchunks} chunks stated for {count} elements in chunks of {chunk}")
         if len(raw) != dims_end + 5 * nchunks:
             raise bad(f"{len(raw)} bytes where {dims_end + 5 * nchunks} describe {nchunks} chunks")
         values = numpy.frombuffer(raw, "<u4", count=nchunks, offset=dims_end).astype(numpy.int64)
         kinds = numpy.frombuffer(raw, numpy.uint8, offset=dims_end + 4 * nchunks).copy()
-        if nchunks and int(kinds.max()) > DENSE:
-            raise bad(f"unknown chunk encoding {int(kinds.max())}")
-        lengths = chunk_lengths(count, chunk)
-        over = numpy.flatnonzero(values > lengths)
+        header = cls(dtype, tuple(shape), chunk, start, count, kinds, values)
+        header.validate(tensor=tensor, version=version)
+        return header
+
+    def validate(self, *, tensor: str | None, version: int | None) -> None:
+        """:class:`ProtocolError` unless the header is consistent.
+
+        A chunk size that is a multiple of 8 up to :data:`MAX_CHUNK_ELEMS`, a span of whole
+        chunks inside the tensor, one kind and one value count per chunk, known kinds, and
+        each chunk's value count at most its length (exactly its length when dense).
+        """
+        chunk, start, count, numel = self.chunk_elems, self.start, self.count, self.numel
+        kinds, values = self.kinds, self.values
+        if not _chunk_ok(chunk):
+            raise _bad(
+                f"chunk of {chunk} elements (a positive multiple of 8 up to 2**30)", tensor, version
+            )
+        if start < 0 or start % chunk or start + count > numel or (count <= 0 and numel):
+            raise _bad(
+                f"span [{start}, {start + count}) is not whole chunks of {numel} elements",
+                tensor,
+                version,
+            )
+        if kinds.shape != (self.nchunks,) or values.shape != (self.nchunks,):
+            raise _bad(
+                f"a table of {len(kinds)} kinds and {len(values)} counts for {self.nchunks} chunks",
+                tensor,
+                version,
+            )
+        if self.nchunks and int(kinds.max()) > DENSE:
+            raise _bad(f"unknown chunk encoding {int(kinds.max())}", tensor, version)
+        lengths = self.chunk_lengths()
+        over = numpy.flatnonzero((values > lengths) | (values < 0))
         if len(over):
             i = int(over[0])
-            raise bad(f"chunk {i} states {values[i]} values for {lengths[i]} elements")
+            raise _bad(
+                f"chunk {i} states {values[i]} values for {lengths[i]} elements", tensor, version
+            )
         short = numpy.flatnonzero((kinds == DENSE) & (values != lengths))
         if len(short):
             i = int(short[0])
-            raise bad(f"dense chunk {i} states {values[i]} values, not {lengths[i]}")
-        return cls(dtype, tuple(shape), chunk, start, count, kinds, values)
+            raise _bad(
+                f"dense chunk {i} states {values[i]} values, not {lengths[i]}", tensor, version
+            )
 
     def check_fits(self, base: torch.Tensor, *, tensor: str | None, version: int | None) -> None:
         """:class:`MismatchError` unless ``base`` is a contiguous tensor of this dtype and shape."""

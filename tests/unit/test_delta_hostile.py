@@ -10,7 +10,9 @@ from __future__ import annotations
 import random
 import struct
 from collections.abc import Callable
+from dataclasses import replace
 
+import numpy
 import pytest
 import torch
 
@@ -68,7 +70,7 @@ def test_a_truncated_or_padded_header_is_refused() -> None:
         (8, "<I", 100, "multiple of 8"),
         (8, "<I", 0, "multiple of 8"),
         (12, "<Q", 128, "span"),  # starts inside the tensor but runs past it
-        (20, "<Q", 2000, "span"),
+        (20, "<Q", 2000, "chunks stated"),
         (28, "<I", 9, "chunks stated"),
     ],
 )
@@ -79,6 +81,21 @@ def test_a_malformed_header_is_refused(offset: int, fmt: str, value: object, say
     error = refused(base, raw, payload)
     assert isinstance(error, ProtocolError)
     assert says in str(error)
+
+
+def test_a_header_object_is_checked_as_its_bytes_would_be() -> None:
+    base, raw, payload = encoded(0.05)
+    header = DeltaHeader.from_bytes(raw, tensor=None, version=None)
+    twice = numpy.concatenate([header.kinds, header.kinds])
+    cases = {
+        "span": replace(header, count=2000, kinds=twice, values=numpy.tile(header.values, 2)),
+        "multiple of 8": replace(header, chunk_elems=100),
+        "a table of": replace(header, kinds=header.kinds[:-1]),
+        "unknown chunk encoding": replace(header, kinds=header.kinds + 3),
+        "states -1 values": replace(header, values=header.values - 1 - header.values),
+    }
+    for says, bad in cases.items():
+        assert says in str(refused(base, bad, payload)), says
 
 
 def test_a_delta_for_another_dtype_or_shape_is_a_mismatch() -> None:
