@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -43,7 +44,8 @@ from aiosync.compat.errors import (
     translate,
 )
 from aiosync.core.errors import SyncTimeoutError
-from aiosync.handles import EngineHandle, as_engine_handles, fleet
+from aiosync.handles import as_engine_handles, fleet
+from aiosync.handles.caller_buckets import CallerBuckets
 from aiosync.handles.ray_actor import is_ray_actor
 from aiosync.handles.results import failures
 from aiosync.runtime import unwrap_group
@@ -116,8 +118,13 @@ def _loop() -> BlockingPortal:
 
 def _run(main: Callable[[], Awaitable[T]]) -> T:
     """Run ``main()`` on the background loop and return its result, errors translated."""
+    return _translated(lambda: _loop().call(main))
+
+
+def _translated(result: Callable[[], T]) -> T:
+    """``result()``, its errors raised as NeMo-RL's types (see :mod:`aiosync.compat.errors`)."""
     try:
-        return _loop().call(main)
+        return result()
     except Exception as exc:
         cause = unwrap_group(exc)
         compat = translate(cause) if isinstance(cause, Exception) else cause
@@ -205,7 +212,7 @@ def disconnect_rollout_engines_from_distributed(
         handles = as_engine_handles(rollout_engines)
 
         async def leave_engines() -> None:
-            for problem in await _leave(handles, group_name, deadline):
+            for problem in await fleet.leave(handles, group_name, deadline):
                 log.info("group %s: disconnect: %s", group_name, problem)
 
         _run(leave_engines)
@@ -217,25 +224,6 @@ def disconnect_rollout_engines_from_distributed(
         return await fleet.disconnect(trainer, deadline=deadline)
 
     _run(main)
-
-
-async def _leave(handles: list[EngineHandle], group_name: str, deadline: Deadline) -> list[str]:
-    """Ask engines to leave a group this process holds no state for (bounded, never raising)."""
-    import anyio
-
-    problems: list[str] = []
-
-    async def one(handle: EngineHandle) -> None:
-        try:
-            with anyio.fail_after(max(0.0, deadline.remaining())):
-                await handle.destroy_weights_update_group(group_name)
-        except Exception as exc:
-            problems.append(f"{handle.name}: {type(exc).__name__}: {exc}")
-
-    async with anyio.create_task_group() as tg:
-        for handle in handles:
-            tg.start_soon(one, handle)
-    return problems
 
 
 @contextlib.contextmanager
@@ -284,7 +272,9 @@ def broadcast_hf_buckets_via_distributed_impl(
     Per bucket, with ``rollout_engine_lock`` held: the tensors' names, dtypes and shapes go
     to every engine (``update_weights_from_distributed``), rank 0 broadcasts each tensor
     (or the packed bucket, see ``AIOSYNC_BROADCAST_FORMAT``), and every engine's answer is
-    checked as :func:`check_weight_sync_results` does. One deadline covers the whole call;
+    checked as :func:`check_weight_sync_results` does; the next bucket is read only then.
+    The buckets are read in the caller's thread; the version streams through aiosync's
+    one send loop on the background event loop. One deadline covers the whole call;
     an engine that dies or stalls ends it with an error naming that engine. Any failure
     breaks the group: disconnect and connect again. Engines keep their previous version.
     """
@@ -300,18 +290,26 @@ def broadcast_hf_buckets_via_distributed_impl(
             f"{len(rollout_engines)} rollout engines given, {len(trainer.handles)} connected"
         )
     deadline = _deadline()
-    flattened = _flattened()
-    version = str(weight_version)
-    for bucket in bucket_iterator:
-        with _held(rollout_engine_lock, deadline):
-
-            async def main(bucket: list[tuple[str, torch.Tensor]] = bucket) -> None:
-                await fleet.broadcast_bucket(
-                    trainer,
-                    bucket,
-                    deadline=deadline,
-                    weight_version=version,
-                    flattened=flattened,
-                )
-
-            _run(main)
+    buckets = CallerBuckets(deadline)
+    streaming = _loop().start_task_soon(
+        functools.partial(
+            fleet.send_version,
+            trainer,
+            buckets,
+            deadline=deadline,
+            weight_version=weight_version,
+            flattened=_flattened(),
+        )
+    )
+    try:
+        for bucket in bucket_iterator:
+            with _held(rollout_engine_lock, deadline):
+                if bucket and not buckets.put(bucket):
+                    break  # the version failed: its error is raised below
+    except BaseException:
+        buckets.close(abandoned=True)
+        with contextlib.suppress(BaseException):  # the stream ends before the error leaves
+            streaming.result(timeout=deadline.remaining() + fleet.CLEANUP_WAIT)
+        raise
+    buckets.close()
+    _translated(functools.partial(streaming.result, deadline.remaining() + fleet.CLEANUP_WAIT))

@@ -4,8 +4,10 @@
 - :class:`ObjectHandle` (an engine object in this process), :class:`RayActorHandle` (a Ray
   actor; the ``ray`` extra), :class:`ChannelHandle` (an engine process behind aiosync's
   control channel, served by :func:`serve_engine`); :func:`as_engine_handle` picks one.
-- :class:`AiosyncEngine`: the engine side built on aiosync (sinks, side group, versions).
-- :mod:`aiosync.handles.fleet`: the trainer side of connect / broadcast / disconnect.
+- :class:`AiosyncEngine`: the engine side built on aiosync (sinks, side group; its versions
+  an :class:`~aiosync.core.engine_session.EngineSession` fed by SGLang's calls).
+- :mod:`aiosync.handles.fleet`: the trainer side of connect / broadcast / disconnect (a
+  version streams through :class:`~aiosync.pipeline.stream.StreamRun`).
 """
 
 from aiosync.handles.base import EngineHandle, HealthStatus, WeightSyncResult

@@ -11,10 +11,13 @@ joins the side group and runs its collectives and sink calls on its own
 :class:`~aiosync.collectives.GroupExecutor` thread. Every call is bounded by ``timeout``
 (Gloo groups are created with it, so a blocked collective ends by then).
 
-Versions: a version is committed to the sinks once the buckets received for it cover what
-the sinks require (every bucket, for sinks that require nothing). A failed bucket aborts
-the version in progress: sinks keep (staged sinks) or are reported off (in-place sinks)
-the previous version, and :meth:`AiosyncEngine.check_health` says which one is served.
+Versions are the engine's one session machine's
+(:class:`~aiosync.core.engine_session.EngineSession`, fed by
+:mod:`aiosync.handles.broadcast_feed`): a version is committed to the sinks once the
+buckets received for it cover what the sinks require (every bucket, for sinks that require
+nothing). A refused or failed bucket drops the version in progress: sinks keep (staged
+sinks) or are reported off (in-place sinks) the previous version, and
+:meth:`AiosyncEngine.check_health` says which one is served.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ import functools
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -40,40 +41,20 @@ from aiosync.collectives import (
 )
 from aiosync.collectives.alias_store import AliasStore, rank_alias
 from aiosync.collectives.rendezvous import is_token, valid_host
+from aiosync.core.engine_actions import SyncFailure
 from aiosync.core.errors import AiosyncError
-from aiosync.core.manifest import Expectations
+from aiosync.core.wire import CollectivePlaneSpec
 from aiosync.engine.sinks import WeightSink
+from aiosync.handles.broadcast_feed import BroadcastFeed, BucketCall, GroupMembership
 from aiosync.handles.colocated import ColocatedUpdates, error_text, version_number
 from aiosync.handles.metadata import FLATTENED, PER_TENSOR_FORMATS, bucket_layout
 from aiosync.handles.release import release
 from aiosync.handles.scratch import Scratch
-from aiosync.handles.transfer import receive_bucket
 
 log = logging.getLogger(__name__)
 
 Answer = tuple[bool, str]
 """SGLang's answer shape: ``(success, message)``."""
-
-
-@dataclass
-class _Group:
-    """An engine's membership of one side group: one executor (thread) per rank."""
-
-    name: str
-    ranks: list[int]
-    executors: list[GroupExecutor]
-    stores: list[AliasStore]
-    scratch: list[Scratch] = field(default_factory=list)
-    """Kept alive with the group: NCCL reads the store again at its first collective, and
-    a Python store whose object is gone answers torch with "Not implemented"."""
-
-
-@dataclass
-class _Pending:
-    """The version being received: its number and the names received so far."""
-
-    version: int
-    covered: set[str] = field(default_factory=set)
 
 
 class AiosyncEngine:
@@ -101,13 +82,12 @@ class AiosyncEngine:
         self.name = name
         self.timeout = timeout
         self.max_bucket_bytes = max_bucket_bytes
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, GroupMembership] = {}
         self._lock = threading.Lock()
-        self._committed: int | None = None
-        self._pending: _Pending | None = None
-        self._last_error = ""
-        self._mixed = False
-        self._expected: list[Expectations | None] | None = None
+        self._feed = BroadcastFeed(
+            self._sinks, name, timeout=timeout, max_bucket_bytes=max_bucket_bytes
+        )
+        self._last_error = ""  # the last failed answer's text, until a version commits
         self._colocated: ColocatedUpdates | None = None
 
     # --- what the engine serves ---------------------------------------------------------
@@ -120,14 +100,19 @@ class AiosyncEngine:
     @property
     def weight_version(self) -> int | None:
         """The last committed version (None before the first)."""
-        return self._committed
+        return self._feed.session.current_version
+
+    @property
+    def failures(self) -> list[SyncFailure]:
+        """The broadcast versions that did not commit, oldest first (the session's records)."""
+        return list(self._feed.session.failures)
 
     def check_health(self) -> dict[str, Any]:
         """``{"healthy", "servable", "message", "weight_version", "groups"}``; never blocks.
 
-        ``servable`` is False while an in-place sink holds part of a version that failed
-        (until the next version completes); ``healthy`` is False then too, or while a group
-        is broken (reconnect).
+        ``servable`` is False while an in-place sink holds part of a version not committed
+        (one in progress, or one that failed, until the next version completes);
+        ``healthy`` is False after such a failure, or while a group is broken (reconnect).
         """
         problems = [
             f"{group.name}: {ex.broken.reason}"
@@ -135,13 +120,16 @@ class AiosyncEngine:
             for ex in group.executors
             if ex.broken is not None
         ]
-        if self._mixed:
+        session = self._feed.session
+        streaming = any(peer.stream is not None for peer in list(session.sessions.values()))
+        if not session.servable and not streaming:
             problems.append("weights mixed by a failed version (in-place sink)")
+        version = session.current_version
         return {
             "healthy": not problems,
-            "servable": not self._mixed,
+            "servable": session.servable,
             "message": "; ".join(problems) or self._last_error,
-            "weight_version": None if self._committed is None else str(self._committed),
+            "weight_version": None if version is None else str(version),
             "groups": sorted(self._groups),
         }
 
@@ -237,8 +225,14 @@ class AiosyncEngine:
             for ex in executors:
                 ex.close()
             raise
+        # the group as the session's hello names it: one buffer of the largest bucket
+        plane = CollectivePlaneSpec(
+            backend, host, port, token or "", group_name, world_size, 1, self.max_bucket_bytes
+        )
         scratch = [Scratch() for _ in ranks]
-        self._groups[group_name] = _Group(group_name, ranks, executors, stores, scratch)
+        self._groups[group_name] = GroupMembership(
+            group_name, ranks, executors, plane, stores, scratch
+        )
         log.info("%s joined %s as ranks %s of %d", self.name, group_name, ranks, world_size)
 
     def destroy_weights_update_group(self, group_name: str) -> Answer:
@@ -255,7 +249,7 @@ class AiosyncEngine:
                 ex.fail(AiosyncError(f"group {group_name!r} destroyed", peer=self.name))
             self._lock.acquire()
         try:
-            self._abort_pending()
+            self._feed.leave(group_name)
             release(group.executors)
         finally:
             self._lock.release()
@@ -278,16 +272,18 @@ class AiosyncEngine:
         """One colocated call, one part per rank, read by :mod:`aiosync.handles.colocated`."""
         del flush_cache
         with self._lock:
-            self._abort_pending()  # a broadcast version left unfinished
+            self._feed.abandon("a colocated update took the sinks")
             if self._colocated is None:
                 self._colocated = ColocatedUpdates(self._sinks, self.name)
+            session = self._feed.session  # the versions count on across both paths
             outcome = self._colocated.update(
-                serialized_named_tensors, load_format, weight_version, self._committed
+                serialized_named_tensors, load_format, weight_version, session.current_version
             )
-            if outcome.success and outcome.committed != self._committed:
-                self._committed, self._last_error, self._mixed = outcome.committed, "", False
+            if outcome.success and outcome.committed != session.current_version:
+                session.current_version, session.servable = outcome.committed, True
+                self._last_error = ""
             elif not outcome.success:
-                self._last_error, self._mixed = outcome.message, not outcome.servable
+                self._last_error, session.servable = outcome.message, outcome.servable
         return outcome.success, outcome.message
 
     # --- receiving ----------------------------------------------------------------------
@@ -316,8 +312,9 @@ class AiosyncEngine:
                     names, dtypes, shapes, group_name, load_format, weight_version
                 )
             except Exception as exc:
-                self._abort_pending()
                 return self._failed(f"receiving a bucket of {len(names)} tensors", exc)
+        if committed is not None:
+            self._last_error = ""
         done = f", committed version {committed}" if committed is not None else ""
         return True, f"{self.name} applied {len(names)} tensors{done}"
 
@@ -336,54 +333,10 @@ class AiosyncEngine:
         if load_format != FLATTENED and load_format not in PER_TENSOR_FORMATS:
             raise AiosyncError(f"unsupported load_format {load_format!r}")
         specs, used = bucket_layout(names, dtypes, shapes, max_bytes=self.max_bucket_bytes)
-        version = version_number(weight_version, self._committed)
-        if self._pending is not None and self._pending.version != version:
-            log.warning(
-                "%s: version %d left unfinished for %d", self.name, self._pending.version, version
-            )
-            self._abort_pending()
-        if self._pending is None:
-            self._pending = _Pending(version)
+        version = version_number(weight_version, self._feed.session.current_version)
         deadline = Deadline.after(self.timeout)
-        flattened = load_format == FLATTENED
-        futures: list[Future[None]] = [
-            ex.submit(
-                functools.partial(receive_bucket, sink, ex.group, scratch, specs, used, flattened)
-            )
-            for ex, sink, scratch in zip(group.executors, self._sinks, group.scratch, strict=True)
-        ]
-        for ex, future in zip(group.executors, futures, strict=True):
-            ex.result(future, deadline=deadline, what="receiving a bucket", peers=["trainer"])
-        self._pending.covered.update(spec.name for spec in specs)
-        if not self._complete(self._pending.covered):
-            return None
-        commits = [
-            ex.submit(functools.partial(sink.commit, version))
-            for ex, sink in zip(group.executors, self._sinks, strict=True)
-        ]
-        for ex, future in zip(group.executors, commits, strict=True):
-            ex.result(future, deadline=deadline, what="committing", peers=[self.name])
-        self._committed, self._pending = version, None
-        self._last_error, self._mixed = "", False
-        return version
-
-    def _complete(self, covered: set[str]) -> bool:
-        """True when ``covered`` holds everything every sink requires."""
-        if self._expected is None:  # a sink says once what it takes
-            self._expected = [sink.expectations() for sink in self._sinks]
-        return not any(e is not None and e.missing(covered) for e in self._expected)
-
-    def _abort_pending(self) -> None:
-        if self._pending is None:
-            return
-        if self._pending.covered and not all(sink.staged for sink in self._sinks):
-            self._mixed = True
-        self._pending = None
-        for sink in self._sinks:
-            try:
-                sink.abort()
-            except Exception:
-                log.exception("%s: abort of a sink failed", self.name)
+        call = BucketCall(version, specs, used, load_format == FLATTENED, deadline)
+        return self._feed.take(group, call)
 
     def _failed(self, what: str, exc: BaseException) -> Answer:
         text = f"{self.name}: {what} failed: {error_text(exc)}"

@@ -2,10 +2,11 @@
 
 :func:`connect` makes a side group of the trainer (rank 0) and every engine's ranks (rank
 offsets from 1, by GPU count), with a store on loopback (or a chosen address) and a random
-token in its key prefix that only the engines are told. :func:`broadcast_bucket` sends one
-bucket: metadata to every engine, the broadcast(s) on the group's executor thread, every
-engine's answer checked. :func:`disconnect` tears both sides down and never fails for an
-engine that is already gone.
+token in its key prefix that only the engines are told. :func:`send_version` streams one
+version through the native send loop (``StreamRun``): per bucket, metadata to every engine,
+the broadcast(s) on the group's executor thread, every engine's answer as its ack.
+:func:`disconnect` tears both sides down and never fails for an engine that is already
+gone.
 
 Nothing here waits past the deadline it is given. Any failure breaks the group (its ranks
 are out of step): the error names the engines that failed or did not answer, and the way
@@ -22,7 +23,6 @@ from datetime import timedelta
 
 import anyio
 import anyio.to_thread
-import torch
 import torch.distributed as dist
 
 from aiosync.collectives import (
@@ -35,11 +35,19 @@ from aiosync.collectives import (
     token_store,
 )
 from aiosync.core.errors import AiosyncError, RejectedError, SyncTimeoutError, UsageError
-from aiosync.handles import transfer
+from aiosync.core.trainer_session import LinkSession, Policy
+from aiosync.core.wire import PROTOCOL, Ready
 from aiosync.handles.base import EngineHandle, WeightSyncResult
-from aiosync.handles.metadata import FLATTENED, bucket_layout, describe
+from aiosync.handles.call_channel import BucketCalls, CallChannel
+from aiosync.handles.caller_buckets import CallerBuckets
+from aiosync.handles.group_plane import GroupBroadcastPlane
+from aiosync.handles.metadata import FLATTENED
 from aiosync.handles.release import release
 from aiosync.handles.scratch import Scratch
+from aiosync.pipeline.links import EngineLink
+from aiosync.pipeline.stream import StreamRun
+from aiosync.pipeline.version_spec import VersionSpec
+from aiosync.runtime import unwrap_group
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +79,6 @@ class TrainerGroup:
     world_size: int
     closed: bool = field(default=False)
     scratch: Scratch = field(default_factory=Scratch)
-
-    @property
-    def engine_names(self) -> list[str]:
-        """The engines' names, in rank order."""
-        return [handle.name for handle in self.handles]
 
 
 async def _ask_all(
@@ -207,87 +210,101 @@ async def connect(
     return TrainerGroup(group_name, backend, group, executor, store, list(handles), world_size)
 
 
-async def broadcast_bucket(
+async def send_version(
     trainer: TrainerGroup,
-    bucket: Sequence[tuple[str, torch.Tensor]],
+    buckets: CallerBuckets,
     *,
     deadline: Deadline,
-    weight_version: str | None = None,
+    weight_version: int,
     flattened: bool = False,
 ) -> None:
-    """Send one bucket to every engine of ``trainer`` and check every engine's answer.
+    """Stream one version's ``buckets`` to every engine of ``trainer`` through the send loop.
 
-    Metadata goes to every engine first (their receives start), then rank 0 broadcasts
-    each tensor in order (or the whole packed bucket when ``flattened``), then every
-    answer is awaited. A refusal, a lost engine or the deadline breaks the group and
-    raises an :class:`AiosyncError` naming the engines concerned.
+    The native :class:`~aiosync.pipeline.stream.StreamRun` drives it: each bucket's
+    metadata goes to every engine as its ``update_weights_from_distributed`` call (a
+    :class:`~aiosync.handles.call_channel.CallChannel` per engine), rank 0 broadcasts it
+    (one broadcast per tensor in order, or the whole packed bucket when ``flattened``),
+    and every engine's answer is its ack. Policy ``all``: a refusal, a lost engine or the
+    deadline ends the version for every engine, breaks the group (unless the caller's own
+    buckets failed) and raises an :class:`AiosyncError` naming the engines concerned.
     """
-    if trainer.closed:
-        raise UsageError(f"group {trainer.name!r} is disconnected")
-    if trainer.executor.broken is not None:
-        raise trainer.executor.broken
-    if not bucket:
-        return
-    names, dtypes, shapes = describe(bucket)
-    specs, used = bucket_layout(names, dtypes, shapes, max_bytes=1 << 62)
-    tensors = [tensor.detach() for _, tensor in bucket]
-    if trainer.backend == "gloo":
-        tensors = [tensor.cpu() for tensor in tensors]
-    pending = set(trainer.engine_names)
-    load_format = FLATTENED if flattened else None
-    send = functools.partial(
-        transfer.send_bucket, trainer.group, trainer.scratch, tensors, specs, used, flattened
+    plane = GroupBroadcastPlane(
+        trainer.executor, trainer.scratch, trainer.backend, flattened, deadline
     )
-
-    def ask(handle: EngineHandle) -> Awaitable[WeightSyncResult]:
-        return handle.update_weights_from_distributed(
-            names,
-            dtypes,
-            shapes,
-            group_name=trainer.name,
-            load_format=load_format,
-            weight_version=weight_version,
-        )
-
+    calls = BucketCalls(trainer.name, FLATTENED if flattened else None, str(weight_version))
+    number = weight_version if type(weight_version) is int else 0  # the stream's own numbering
+    channels = [CallChannel(handle, calls) for handle in trainer.handles]
+    links = [_ready_link(channel, trainer.name, deadline) for channel in channels]
+    version = VersionSpec(number, None, progress=buckets.answered)
+    run = StreamRun(links=links, plane=plane, policy=Policy.ALL, spec=version)
+    broken = trainer.executor.broken
+    if trainer.closed or broken is not None:
+        buckets.stop()  # the caller hands over nothing
+        if trainer.closed or broken is None:
+            raise UsageError(f"group {trainer.name!r} is disconnected")
+        raise broken
     try:
         with anyio.fail_after(deadline.remaining()):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_ask_all, trainer.handles, ask, pending, "receiving a bucket")
-                await trainer.executor.run(
-                    send, deadline=deadline, what="broadcasting a bucket", peers=sorted(pending)
-                )
+            await run.run(buckets.plans())
     except BaseException as exc:
-        error = _first_error(exc)
+        error = unwrap_group(exc)
         if isinstance(error, TimeoutError) and not isinstance(error, AiosyncError):
-            error = _timeout("a bucket's broadcast", trainer.name, deadline, pending)
-        if isinstance(error, AiosyncError):
+            pending = {channel.peer for channel in channels if channel.calling}
+            error = _timeout("a version's broadcast", trainer.name, deadline, pending)
+        if isinstance(error, AiosyncError) and not buckets.abandoned:
             trainer.executor.fail(error)
         if error is not exc:
             raise error from exc
         raise
+    finally:
+        buckets.stop()
+        plane.close()
 
 
-async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
-    """Tear down both sides of ``trainer``'s group; idempotent. Returns what went wrong.
+def _ready_link(channel: CallChannel, group_name: str, deadline: Deadline) -> EngineLink:
+    """A link on ``channel`` whose session is ready: the engine joined the group already."""
+    session = LinkSession(channel.peer, group_name)
+    session.ready(Ready(group_name, PROTOCOL, None))
+    return EngineLink(channel, session, timeout=max(deadline.remaining(), 0.001))
 
-    Every engine is asked to leave at once; one that is gone, refuses or does not answer
-    by the deadline is listed in the result and does not stop the rest.
+
+async def leave(handles: Sequence[EngineHandle], group_name: str, deadline: Deadline) -> list[str]:
+    """Ask every engine at once to leave ``group_name``; what went wrong (never raises).
+
+    An engine that is gone, refuses or does not answer by the deadline is listed and does
+    not stop the rest.
     """
-    if trainer.closed:
-        return []
-    trainer.closed = True
     problems: list[str] = []
 
-    async def leave(handle: EngineHandle) -> None:
+    async def one(handle: EngineHandle) -> None:
         try:
             with anyio.fail_after(max(0.0, deadline.remaining())):
-                result = await handle.destroy_weights_update_group(trainer.name)
+                result = await handle.destroy_weights_update_group(group_name)
             if not result.success:
                 problems.append(f"{handle.name}: {result.message}")
         except TimeoutError:
             problems.append(f"{handle.name}: did not answer within the deadline")
         except Exception as exc:
             problems.append(f"{handle.name}: {type(exc).__name__}: {exc}")
+
+    async with anyio.create_task_group() as tg:
+        for handle in handles:
+            tg.start_soon(one, handle)
+    return problems
+
+
+async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
+    """Tear down both sides of ``trainer``'s group; idempotent. Returns what went wrong.
+
+    The engines are asked to leave (:func:`leave`) while the trainer leaves too.
+    """
+    if trainer.closed:
+        return []
+    trainer.closed = True
+    problems: list[str] = []
+
+    async def engines_leave() -> None:
+        problems.extend(await leave(trainer.handles, trainer.name, deadline))
 
     async def leave_own() -> None:  # at the same time as the engines: nobody waits alone
         trainer.executor.join_timeout = max(CLEANUP_WAIT, deadline.remaining())
@@ -297,8 +314,7 @@ async def disconnect(trainer: TrainerGroup, *, deadline: Deadline) -> list[str]:
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(leave_own)
-            for handle in trainer.handles:
-                tg.start_soon(leave, handle)
+            tg.start_soon(engines_leave)
     finally:
         _close_store(trainer.store)
         trainer.scratch.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,8 +283,15 @@ def test_in_process_engine_object_bit_exact_lock_held_and_previous_version_kept(
     try:
         weights = mixed_weights(seed=5)
         items = list(weights.items())
+        reads: list[tuple[int, int]] = []  # (thread, buckets applied) as each bucket is read
+
+        def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            for bucket in (items[:3], items[3:]):
+                reads.append((threading.get_ident(), len(sink.held)))
+                yield bucket
+
         broadcast_hf_buckets_via_distributed_impl(
-            bucket_iterator=iter([items[:3], items[3:]]),
+            bucket_iterator=buckets(),
             rollout_engines=engines,
             rollout_engine_lock=lock,
             group_name="inproc",
@@ -292,6 +300,8 @@ def test_in_process_engine_object_bit_exact_lock_held_and_previous_version_kept(
         )
         assert engine.weight_version == 1
         assert sink.held == [True, True]
+        # read in the caller's thread, each bucket only once the one before was applied
+        assert reads == [(threading.get_ident(), 0), (threading.get_ident(), 1)]
         for name, tensor in weights.items():
             assert torch.equal(model[name], tensor), name
         before = {n: t.clone() for n, t in model.items()}
@@ -306,8 +316,11 @@ def test_in_process_engine_object_bit_exact_lock_held_and_previous_version_kept(
                 model_update_group=group,
                 weight_version=2,
             )
-        assert "no.such.weight" in str(info.value)
+        assert "no.such.weight" in str(info.value)  # refused, yet its broadcast was joined
         assert engine.weight_version == 1
+        (failure,) = engine.failures  # the engine's session recorded it
+        assert failure.version == 2
+        assert "no such parameter" in failure.reason
         for name, tensor in before.items():
             assert torch.equal(model[name], tensor), name
         assert not lock.locked()
@@ -428,3 +441,37 @@ def test_an_in_place_engine_reports_mixed_weights_after_a_failed_version(
     assert health["servable"]
     assert health["healthy"]
     assert health["weight_version"] == "2"
+
+
+def test_weight_versions_need_not_grow_a_lower_one_restarts_the_numbering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv(distributed.BACKEND_ENV, "gloo")
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, "30")
+    model = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in mixed_weights().items()}
+    engine = AiosyncEngine(ModuleSink(model, staged=True), name="restarts")
+    engines: list[object] = [engine]
+    group = connect_rollout_engines_from_distributed(
+        group_name="restarts", rollout_engines=engines, engine_gpu_counts=[1]
+    )
+    try:
+        for seed, version in ((8, 5), (9, 3), (10, 3)):  # back from a checkpoint, then again
+            weights = mixed_weights(seed=seed)
+            broadcast_hf_buckets_via_distributed_impl(
+                bucket_iterator=iter([list(weights.items())]),
+                rollout_engines=engines,
+                rollout_engine_lock=None,
+                group_name="restarts",
+                model_update_group=group,
+                weight_version=version,
+            )
+            assert engine.weight_version == version
+            for name, tensor in weights.items():
+                assert torch.equal(model[name], tensor), name
+        assert engine.failures == []
+        assert engine.check_health()["healthy"]
+    finally:
+        disconnect_rollout_engines_from_distributed(
+            group_name="restarts", model_update_group=group, rollout_engines=engines
+        )

@@ -18,7 +18,7 @@ from aiosync.compat.distributed import (
     connect_rollout_engines_from_distributed,
 )
 from aiosync.compat.nemo_rl import iter_named_tensor_buckets
-from aiosync.handles import ChannelHandle, transfer
+from aiosync.handles import ChannelHandle, group_plane
 from tests.helpers.models import mixed_weights
 
 
@@ -45,14 +45,14 @@ def main() -> None:
     send(1)
     emit("sent")
 
-    real = transfer.send_bucket
+    real = group_plane.send_bucket
 
     def die(group: Any, scratch: Any, tensors: list[Any], specs: list[Any], *rest: Any) -> None:
         real(group, scratch, tensors[:1], specs[:1], *rest)  # the first tensor only
         emit("dying")
         os._exit(0)
 
-    transfer.send_bucket = die  # the engine is left waiting for the second tensor
+    group_plane.send_bucket = die  # the engine is left waiting for the second tensor
     send(2)
 
 
