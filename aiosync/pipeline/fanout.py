@@ -21,13 +21,13 @@ from dataclasses import replace
 from typing import Any
 
 import anyio
-import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream as Receiving
 from anyio.streams.memory import MemoryObjectSendStream as Sending
 
 from aiosync.core.errors import MismatchError, SyncTimeoutError
 from aiosync.core.layout import BucketPlan, TensorSpec
 from aiosync.core.trainer_session import FleetVote
+from aiosync.core.where_to_run import on_loop
 from aiosync.core.wire import Bucket, Slot, encode
 from aiosync.pipeline.ahead import FIRST_BUFFER, PackedAhead, next_plan, pack_plan
 from aiosync.pipeline.fanout_links import BEGIN as BEGIN
@@ -36,7 +36,7 @@ from aiosync.pipeline.ledger import BufferLedger
 from aiosync.pipeline.links import EngineLink
 from aiosync.pipeline.report import SyncProgress
 from aiosync.pipeline.version_spec import VersionSpec
-from aiosync.planes.base import DirectPlan, SenderPlane, regions_of
+from aiosync.planes.base import DirectPlan, SenderPlane, StoredPlan, regions_of
 
 _Packed = PackedBucket  # the name it had before the split
 
@@ -62,16 +62,15 @@ def bucket_payload(
     """The encoded bucket message of ``plan`` in buffer ``index``.
 
     By manifest ``slots``, or naming its specs (no manifest); a direct plan's regions go
-    with it; ``after``: sent ahead of its packing, its reads wait for that counter value.
+    with it, and a stored plan's digest; ``after``: sent ahead of its packing, its reads
+    wait for that counter value.
     """
-    if slots is not None:
-        bucket = Bucket(version, seq, index, plan.used, slots=slots, after=after)
-    else:
-        bucket = Bucket(version, seq, index, plan.used, specs=plan.specs, after=after)
+    digest, held = (plan.digest, plan.held) if isinstance(plan, StoredPlan) else (None, False)
+    specs = plan.specs if slots is None else []
     regions = regions_of(plan)
-    if regions:
-        bucket = msgspec.structs.replace(bucket, regions=regions)
-    return encode(bucket)
+    return encode(
+        Bucket(version, seq, index, plan.used, slots or [], specs, regions, digest, held, after)
+    )
 
 
 def kept_first_payload(
@@ -113,6 +112,7 @@ class BucketFanout(LinkStages):
         self._begun = spec.begun is not None  # the begin went out already, each stream open
         self._sent_first = spec.sent_first  # and bucket 1's message, to be confirmed as read
         self._tail = tail  # sent on each link after its last bucket, once all are packed
+        self._on_sent = spec.on_sent
         self.finished = False  # every planned bucket was packed and handed to the links
         self._gate: anyio.Event | None = None  # set once every engine answered the begin
         self.packed = spec.packed  # set once every byte of the version is in a buffer
@@ -202,6 +202,8 @@ class BucketFanout(LinkStages):
                     assert index == FIRST_BUFFER, "every buffer is free when a version starts"
                     packed = await self._encoded(first.plan, index)
                     first = None
+                elif self.plane.prepacked:
+                    packed = await self._stored_next(plans, index)
                 else:
                     packed = await anyio.to_thread.run_sync(
                         self._pack_next, plans, index, limiter=self._limiter
@@ -275,8 +277,27 @@ class BucketFanout(LinkStages):
     def _pack_next(self, plans: Iterator[BucketPlan], index: int) -> PackedBucket | None:
         """Plan, pack and encode the next bucket into buffer ``index`` (a worker thread)."""
         plan = next_plan(plans, self.version)
+        return None if plan is None else self._pack_one(plan, index)
+
+    async def _stored_next(self, plans: Iterator[BucketPlan], index: int) -> PackedBucket | None:
+        """The next bucket of a :attr:`~SenderPlane.prepacked` plane, ``index`` its window slot.
+
+        Nothing to read or copy: a bucket :func:`~aiosync.core.where_to_run.on_loop` allows is
+        encoded here, after a checkpoint that lets the link stages send what is queued; a larger
+        one in a worker thread.
+        """
+        plan = next_plan(plans, self.version)
         if plan is None:
             return None
+        if not on_loop(entries=len(plan.specs)):
+            return await anyio.to_thread.run_sync(
+                self._pack_one, plan, index, limiter=self._limiter
+            )
+        await anyio.lowlevel.checkpoint()
+        return self._pack_one(plan, index)
+
+    def _pack_one(self, plan: BucketPlan, index: int) -> PackedBucket:
+        """Pack and encode ``plan`` into buffer ``index``."""
         pack_plan(self.plane, index, plan, self.version)
         packed = self._packed(plan, index)
         if self._gate is None:  # nothing left before publishing: a collective queues its send
@@ -304,6 +325,8 @@ class BucketFanout(LinkStages):
         direct = False
         if isinstance(plan, DirectPlan) and plan.regions:  # a direct plan: no ring buffer used
             direct = self._direct_sent = True
+            index = plan.buffer
+        elif isinstance(plan, StoredPlan):  # its bytes lie in a buffer of their own already
             index = plan.buffer
         if self.manifest is not None and len(plan.entries) == len(plan.specs):
             # the planner read the manifest with the tensors: entries known, no lookups;

@@ -59,6 +59,7 @@ class LinkStages:
     _rebase: bool
     _begun: bool
     _tail: Callable[[EngineLink], Awaitable[None]] | None
+    _on_sent: Callable[[BucketPlan], None] | None
     _following: list[str]
 
     @property
@@ -132,6 +133,8 @@ class LinkStages:
         async with outbox, inflight:
             async for packed in outbox:
                 await self._send_one(link, packed, inflight)
+                if self._on_sent is not None:
+                    self._on_sent(packed.plan)
             if self._tail is not None and self.finished:  # not after a failed packing
                 await self._tail(link)
 

@@ -27,7 +27,17 @@ from aiosync.core.errors import (
 )
 from aiosync.core.hello import uncovered
 from aiosync.core.trainer_session import LinkSession
-from aiosync.core.wire import Abort, Ack, Hello, Message, Ready, decode, encode
+from aiosync.core.wire import (
+    GOODBYE_SEQ,
+    Abort,
+    Ack,
+    Goodbye,
+    Hello,
+    Message,
+    Ready,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +161,17 @@ class EngineLink:
         if problem is not None:
             log.warning("engine %s: %s", self.name, problem)
         return reply
+
+    async def goodbye(self) -> None:
+        """End the session and wait for its ack, skipping acks of abandoned streams.
+
+        Unbounded: the caller bounds it (a goodbye missed ends at the engine's timeout).
+        """
+        await self.channel.send(encode(Goodbye(session=self.session.session)))
+        while True:
+            reply = decode(await self.channel.recv())
+            if isinstance(reply, Ack) and reply.seq == GOODBYE_SEQ:
+                return
 
     async def request(
         self, payload: bytes, seq: int, what: str, version: int, *, commit: bool = False

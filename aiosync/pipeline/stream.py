@@ -104,7 +104,7 @@ class StreamRun:
             if self.vote.live:
                 await self._send_version(plans)
         except BaseException:
-            await self._abort("the trainer failed mid-stream")
+            await self._abort("the sender abandoned the version mid-stream")
             raise
         if self.vote.verdict() is not Verdict.COMMIT:
             await self._abort("another engine failed")
@@ -150,8 +150,11 @@ class StreamRun:
         at once costs nothing to an engine that refuses; it saves the round trip and the
         engine's check of the manifest. But under policy ``all`` with several engines, the
         others would apply (in place) part of a version that one refusal dooms, so there
-        every engine accepts first (while bucket 1 is packed, not yet published).
+        every engine accepts first (while bucket 1 is packed, not yet published); and so
+        for a version sent step by step (:attr:`VersionSpec.stepwise`).
         """
+        if self.spec.stepwise:
+            return False
         return streams_before_accepted(len(self.vote.live), self.vote.policy)
 
     def _may_commit_at_once(self) -> bool:
@@ -163,9 +166,10 @@ class StreamRun:
         it prepared. The engine answers its messages in order, and refuses a ``commit``
         of a stream whose completion check failed ("stream already failed", nothing made
         live), so sending both at once decides exactly as two phases would, one round
-        trip sooner. Not where :meth:`_ends_may_go_early` says no.
+        trip sooner. Not where :meth:`_ends_may_go_early` says no, nor for a version sent
+        step by step (:attr:`VersionSpec.stepwise`).
         """
-        if not self._ends_may_go_early():
+        if self.spec.stepwise or not self._ends_may_go_early():
             return False
         return len(self.vote.live) == 1 or self.vote.policy is Policy.AVAILABLE
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from aiosync.core.layout import BucketPlan
 from aiosync.core.manifest import TensorMeta
 from aiosync.pipeline.ahead import PackedAhead
 from aiosync.pipeline.report import ProgressCallback
@@ -24,7 +25,11 @@ class VersionSpec:
     engine may commit); ``started``: the send's start on ``time.perf_counter`` (None: now);
     ``first``: bucket 1, packed while the version was read; ``begun``: the begin sent before
     the read (:mod:`~aiosync.pipeline.early_begin`, every link's stream open), and
-    ``sent_first`` bucket 1's message if it went with it.
+    ``sent_first`` bucket 1's message if it went with it; ``on_sent``: called with each
+    bucket's plan as its message goes to an engine (once per engine); ``stepwise``: no
+    bucket goes before every engine accepted the ``begin`` (one that refuses it, say busy,
+    is sent nothing), and no ``commit`` before its completion check was acked (a version
+    abandoned before then is made live nowhere).
     """
 
     version: int
@@ -38,3 +43,5 @@ class VersionSpec:
     first: PackedAhead | None = None
     begun: bytes | None = None
     sent_first: bytes | None = None
+    on_sent: Callable[[BucketPlan], None] | None = None
+    stepwise: bool = False

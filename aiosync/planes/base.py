@@ -98,6 +98,21 @@ class DirectPlan(BucketPlan):
     buffer: int = 0
 
 
+@dataclass
+class StoredPlan(BucketPlan):
+    """A bucket whose bytes lie in buffer ``buffer`` already (a server's retained segment).
+
+    What a plane that holds every bucket already (:attr:`SenderPlane.prepacked`) is sent:
+    the pipeline packs nothing for it and names ``buffer`` in its message. ``digest``: the
+    bucket's content (SHA-256), named in the message for an engine that keeps buckets;
+    ``held``: that engine holds these bytes already, so it reads its own copy.
+    """
+
+    buffer: int = 0
+    digest: bytes | None = None
+    held: bool = False
+
+
 def regions_of(plan: BucketPlan) -> list[Region]:
     """The trainer regions a plan is read from in place (empty: a packed plan)."""
     return plan.regions if isinstance(plan, DirectPlan) else []
@@ -108,7 +123,8 @@ class SenderPlane(ABC):
 
     Besides the abstract members, hooks the pipeline calls on every plane, each a no-op
     here: :meth:`begin_version`, :meth:`queue`, :meth:`consumed`, :meth:`drain`,
-    :meth:`arm` / :meth:`disarm` and :meth:`spec_for_link`; and :attr:`joins_all`.
+    :meth:`arm` / :meth:`disarm` and :meth:`spec_for_link`; and :attr:`joins_all` and
+    :attr:`prepacked`.
     """
 
     joins_all: bool = False
@@ -116,6 +132,12 @@ class SenderPlane(ABC):
     the pipeline keeps sending a refusing engine the version's buckets (it joins and drops
     them), counts its refusal instead of ending its stream, never sends a ``begin`` before
     the read, and sends the ``commit`` only after :meth:`drain`."""
+
+    prepacked: bool = False
+    """Every bucket's bytes lie in the plane's buffers already (a server's retained
+    segments): each plan is a :class:`StoredPlan` from a list, :meth:`pack` copies
+    nothing, and :attr:`count` only bounds the buckets in flight. The pipeline then takes
+    and encodes a bucket of bounded size on the event loop, with no hop to a worker."""
 
     @property
     @abstractmethod

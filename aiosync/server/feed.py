@@ -1,11 +1,15 @@
 """Stream one retained version to one subscriber, as a trainer would, from shared memory.
 
 Towards a subscriber the server is a sender: each transfer is a session of the ordinary
-protocol (:mod:`aiosync.core.wire`) on the subscriber's channel. The hello names the
-retained version's segments as the data plane (the subscriber maps them; the server copies
-nothing); then ``begin`` with the manifest, every bucket (at most ``window`` awaiting their
-ack), ``complete``, ``commit`` and ``goodbye``, each wait bounded by the link's timeout.
-The subscriber's receiver applies every check, limit and lease it applies to a trainer.
+protocol (:mod:`aiosync.core.wire`) on the subscriber's channel, and the version goes
+through the trainer's own send loop (:class:`~aiosync.pipeline.stream.StreamRun`). The
+hello names the retained version's segments as the data plane (:class:`RetainedPlane`:
+the subscriber maps them; the server copies nothing); then ``begin`` with the manifest,
+and once it is accepted every bucket (at most ``window`` awaiting their ack),
+``complete``, ``commit`` once the completion is acked (:attr:`VersionSpec.stepwise
+<aiosync.pipeline.version_spec.VersionSpec.stepwise>`), and ``goodbye``, each wait
+bounded by the link's timeout. The subscriber's receiver applies every check, limit and
+lease it applies to a trainer.
 
 A subscriber that resumes (it keeps buckets by content, :mod:`aiosync.engine.held`) gets
 each bucket's digest in its ``bucket`` message; a bucket whose digest it said it holds is
@@ -25,40 +29,31 @@ import anyio
 
 from aiosync.channels.base import Channel
 from aiosync.core.errors import AiosyncError, BusyError, RejectedError
-from aiosync.core.trainer_session import LinkSession
-from aiosync.core.wire import (
-    GOODBYE_SEQ,
-    Abort,
-    Ack,
-    Begin,
-    Bucket,
-    Commit,
-    Complete,
-    Goodbye,
-    decode,
-    encode,
-)
+from aiosync.core.layout import BucketPlan
+from aiosync.core.trainer_session import LinkSession, Policy
+from aiosync.core.wire import PlaneSpec
 from aiosync.pipeline.links import EngineLink
+from aiosync.pipeline.stream import StreamRun
+from aiosync.pipeline.version_spec import VersionSpec
+from aiosync.planes.base import SenderPlane, StoredPlan
 from aiosync.server.fleet import SubscriberState
 from aiosync.server.store import RetainedVersion
 
 log = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT = 1.0  # seconds for the goodbye or abort at the end of a transfer
+CLOSE_TIMEOUT = 1.0  # seconds for the goodbye at the end of a transfer
 BUSY_RETRY = 0.5  # seconds before a busy subscriber is sent the version again
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """How one transfer ended: the subscriber's version now, bytes streamed, buckets.
+    """How one transfer ended: the subscriber's version now, and the buckets it was sent.
 
-    ``bytes_held``: bytes of buckets it held already (named, not streamed).
+    (Their bytes, streamed or held, went to the transfer's :data:`Counter` as they went.)
     """
 
     version: int | None
-    bytes_sent: int
     buckets_sent: int
-    bytes_held: int = 0
 
 
 Counter = Callable[[int, bool], None]
@@ -126,6 +121,44 @@ async def feed_version(
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
+class RetainedPlane(SenderPlane):
+    """A retained version's segments as a sender's plane: buffer ``i`` holds bucket ``i``.
+
+    Nothing is packed or published (a subscriber maps the segments); the ring of
+    :attr:`count` = ``window`` slots only bounds the buckets awaiting a subscriber's ack.
+    """
+
+    prepacked = True
+
+    def __init__(self, retained: RetainedVersion, window: int) -> None:
+        self.retained = retained
+        self.window = window
+
+    @property
+    def spec(self) -> PlaneSpec:
+        """The retained version's segments."""
+        return self.retained.spec
+
+    @property
+    def capacity(self) -> int:
+        """The largest bucket's bytes."""
+        return max((bucket.used for bucket in self.retained.buckets), default=0)
+
+    @property
+    def count(self) -> int:
+        """The window: buckets in flight at most."""
+        return self.window
+
+    def pack(self, index: int, plan: BucketPlan) -> None:
+        """Nothing: the bytes lie in their segment already."""
+
+    async def publish(self, index: int, used: int) -> None:
+        """Nothing: the subscriber maps the segments."""
+
+    def close(self) -> None:
+        """Nothing: the segments are the store's."""
+
+
 async def send_version(
     channel: Channel,
     name: str,
@@ -140,92 +173,36 @@ async def send_version(
 ) -> Transfer:
     """Stream ``retained`` to the receiver on ``channel`` (named ``name``) and commit it.
 
-    A subscriber that already holds the version is sent nothing; one that holds a newer
-    version gets it as a rebase (a fetch of an older version, which its limits must allow).
-    ``digests`` (one per bucket) name each bucket by content; those in ``held`` go as
-    ``held`` (the subscriber's own bytes). ``counted`` hears of each bucket's bytes.
-    Raises the subscriber's refusal, or a timeout or lost-peer error, naming it.
+    One session (hello to goodbye) around a :class:`~aiosync.pipeline.stream.StreamRun`
+    over the version's segments (:class:`RetainedPlane`), at most ``window`` buckets
+    awaiting their ack. A subscriber that already holds the version is sent nothing; one
+    that holds a newer version gets it as a rebase (a fetch of an older version, which its
+    limits must allow). ``digests`` (one per bucket) name each bucket by content; those in
+    ``held`` go as ``held`` (the subscriber's own bytes). ``counted`` hears of each
+    bucket's bytes. Raises the subscriber's refusal, or a timeout or lost-peer error,
+    naming it.
     """
     link = EngineLink(channel, LinkSession(name, uuid.uuid4().hex), timeout)
-    ready = await link.handshake(link.session.hello(sender, retained.spec))
+    plane = RetainedPlane(retained, window)
+    ready = await link.handshake(link.session.hello(sender, plane.spec))
     version = retained.version
+
+    def sent(plan: BucketPlan) -> None:
+        if counted is not None:
+            counted(plan.used, isinstance(plan, StoredPlan) and plan.held)
+
+    rebase = ready.version is not None and version < ready.version
+    spec = VersionSpec(version, retained.manifest, rebase=rebase, on_sent=sent, stepwise=True)
+    run = StreamRun(links=[link], plane=plane, policy=Policy.ALL, spec=spec)
     try:
-        if ready.version == version:
-            return Transfer(version, 0, 0)
-        rebase = ready.version is not None and version < ready.version
-        if rebase:
-            link.session.remote_version = None  # the numbering restarts for this engine
-        link.session.begin(version)
-        manifest: list[object] | None = list(retained.manifest)
-        limits = link.session.limits
-        begin = encode(Begin(version, retained.manifest, rebase=rebase))
-        if len(retained.manifest) > limits.max_manifest_tensors or (
-            len(begin) > limits.max_message_bytes
-        ):
-            manifest = None
-            begin = encode(Begin(version, None, rebase=rebase))
-        await link.request(begin, 0, "the version's manifest", version)
-        sent = kept = 0
-        for seq, bucket in enumerate(retained.buckets, start=1):
-            while link.session.in_flight >= window:
-                await _acked(link, version)
-            digest = None if digests is None else digests[seq - 1]
-            message = Bucket(
-                version,
-                seq,
-                seq - 1,
-                bucket.used,
-                slots=[] if manifest is None else bucket.slots,
-                specs=bucket.specs if manifest is None else [],
-                digest=digest,
-                held=digest in held,
-            )
-            await link.send(encode(message), f"bucket {seq}", version)
-            link.session.sent(seq)
-            if counted is not None:
-                counted(bucket.used, digest in held)
-            if digest in held:
-                kept += bucket.used
-            else:
-                sent += bucket.used
-        while link.session.in_flight:
-            await _acked(link, version)
-        count = len(retained.buckets)
-        complete = Complete(version, count + 1, count, retained.tensors)
-        await link.request(encode(complete), count + 1, "completion check", version)
-        commit = Commit(version, count + 2, deadline=link.commit_deadline())
-        await link.request(encode(commit), count + 2, "commit", version, commit=True)
-        link.session.committed()
-        return Transfer(version, sent, count, kept)
-    except BaseException:
-        link.session.failed()
-        with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
-            try:
-                await channel.send(encode(Abort("the server abandoned the transfer", version)))
-            except AiosyncError as exc:
-                log.debug("could not tell %s to abort: %s", name, exc)
-        raise
+        report = await run.run(iter(retained.plans(digests, held)))
+        return Transfer(version, report.buckets)
     finally:
         with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
             try:
-                await _goodbye(link)
+                await link.goodbye()  # the subscriber unmaps the version's segments
             except AiosyncError as exc:
                 log.debug("goodbye to %s failed: %s", name, exc)
-
-
-async def _acked(link: EngineLink, version: int) -> None:
-    ack = await link.recv_ack("ack for a bucket", version)
-    if not ack.ok:
-        raise link.refusal(ack, "bucket")
-
-
-async def _goodbye(link: EngineLink) -> None:
-    """End the session (the subscriber unmaps the version's segments)."""
-    await link.channel.send(encode(Goodbye(session=link.session.session)))
-    while True:
-        reply = decode(await link.channel.recv())
-        if isinstance(reply, Ack) and reply.seq == GOODBYE_SEQ:
-            return
 
 
 def is_refusal(exc: AiosyncError) -> bool:

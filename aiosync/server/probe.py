@@ -10,6 +10,7 @@ saying why, and may subscribe again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -18,7 +19,8 @@ import anyio
 from aiosync.channels.base import Channel
 from aiosync.core.errors import AiosyncError, ProtocolError
 from aiosync.core.trainer_session import LinkSession
-from aiosync.core.wire import GOODBYE_SEQ, Abort, Ack, Goodbye, Ready, ShmPlaneSpec, decode, encode
+from aiosync.core.wire import Abort, Ready, ShmPlaneSpec, decode, encode
+from aiosync.pipeline.links import EngineLink
 from aiosync.planes.memfd import BACKEND_ENV, memfd_available
 from aiosync.planes.shm import ShmSegment
 
@@ -64,15 +66,7 @@ async def probe(
         session.ready(reply)
     except ProtocolError as exc:
         return f"its receiver answered a hello wrongly: {exc.reason}"
-    with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
-        try:
-            await channel.send(encode(Goodbye(session=session.session)))
-            while not _goodbye_ack(decode(await channel.recv())):
-                pass
-        except AiosyncError:
-            pass  # it answered the hello: a goodbye it misses ends at its session timeout
+    # it answered the hello: a goodbye it misses ends at its session timeout
+    with anyio.move_on_after(CLOSE_TIMEOUT, shield=True), contextlib.suppress(AiosyncError):
+        await EngineLink(channel, session, timeout).goodbye()
     return None
-
-
-def _goodbye_ack(message: object) -> bool:
-    return isinstance(message, Ack) and message.seq == GOODBYE_SEQ

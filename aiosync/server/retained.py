@@ -16,12 +16,17 @@ from aiosync.core.layout import TensorSpec
 from aiosync.core.manifest import TensorMeta
 from aiosync.core.wire import ShmPlaneSpec, Slot
 from aiosync.engine.held import bucket_digest
+from aiosync.planes.base import StoredPlan
 from aiosync.planes.shm import ShmSegment
 
 
 @dataclass
 class RetainedBucket:
-    """One bucket as the publisher sent it: its segment, bytes used and specs."""
+    """One bucket as the publisher sent it: its segment, bytes used and specs.
+
+    Once its version is indexed (:func:`index_version`): each spec's manifest ``entries``
+    and ``slots``, the ``whole`` tensors that end in it and the tensor bytes (``payload``).
+    """
 
     segment: ShmSegment
     used: int
@@ -29,6 +34,9 @@ class RetainedBucket:
     slots: list[Slot] = field(default_factory=list)
     digest: bytes | None = None  # of its content (SHA-256), once a relay or resumer asked
     hashing: Future[bytes] | None = None  # its digest, being computed since it arrived
+    entries: list[int] = field(default_factory=list)
+    whole: int = 0
+    payload: int = 0
 
 
 @dataclass
@@ -58,6 +66,28 @@ class RetainedVersion:
                 bucket.digest = bucket.hashing.result()
         return [bucket.digest or b"" for bucket in self.buckets]
 
+    def plans(self, digests: list[bytes] | None, held: frozenset[bytes]) -> list[StoredPlan]:
+        """Each bucket as a plan stored in buffer ``i`` (the ``i``-th segment of :attr:`spec`).
+
+        ``digests`` (one per bucket, or None) name each by content, those in ``held`` marked
+        held. Bounded work per bucket: the lists are the indexed bucket's own.
+        """
+        named: list[bytes | None] = [*digests] if digests else [None] * len(self.buckets)
+        return [
+            StoredPlan(
+                specs=b.specs,
+                used=b.used,
+                entries=b.entries,
+                whole=b.whole,
+                payload=b.payload,
+                slots=b.slots,
+                buffer=index,
+                digest=digest,
+                held=digest is not None and digest in held,
+            )
+            for index, (b, digest) in enumerate(zip(self.buckets, named, strict=True))
+        ]
+
     @property
     def spec(self) -> ShmPlaneSpec:
         """The data plane a subscriber opens: one segment per bucket."""
@@ -76,7 +106,8 @@ def index_version(version: int, buckets: list[RetainedBucket]) -> RetainedVersio
     chunks: list[int] = []
     tensors = 0
     for bucket in buckets:
-        bucket.slots = []
+        bucket.slots, bucket.entries = [], []
+        bucket.whole = bucket.payload = 0
         for spec in bucket.specs:
             entry = entries.get(spec.name)
             if entry is None:
@@ -84,8 +115,11 @@ def index_version(version: int, buckets: list[RetainedBucket]) -> RetainedVersio
                 metas.append(TensorMeta(spec.name, spec.dtype, tuple(spec.shape)))
                 chunks.append(0)
             chunks[entry] += 1
-            tensors += spec.is_last_chunk
+            bucket.whole += spec.is_last_chunk
+            bucket.payload += spec.nbytes
+            bucket.entries.append(entry)
             bucket.slots.append(Slot(entry, spec.offset, spec.nbytes, spec.start))
+        tensors += bucket.whole
     manifest = [
         TensorMeta(meta.name, meta.dtype, meta.shape, count)
         for meta, count in zip(metas, chunks, strict=True)

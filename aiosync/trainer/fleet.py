@@ -18,7 +18,7 @@ from aiosync.channels.base import Channel
 from aiosync.channels.keys import ChannelAuth
 from aiosync.core.errors import AiosyncError, UsageError
 from aiosync.core.trainer_session import LinkSession
-from aiosync.core.wire import GOODBYE_SEQ, Ack, Goodbye, Ping, decode, encode
+from aiosync.core.wire import Ping, encode
 from aiosync.pipeline.links import EngineLink
 from aiosync.planes import SenderPlane
 from aiosync.trainer.config import SenderConfig
@@ -120,7 +120,7 @@ class EngineFleet:
         if link.broken is None:
             with anyio.move_on_after(CLOSE_TIMEOUT, shield=True):
                 try:
-                    await _goodbye(link)
+                    await link.goodbye()
                 except AiosyncError as exc:
                     log.info("goodbye to %s failed: %s", name, exc)
         channel = self._owned.pop(name, None)
@@ -148,12 +148,3 @@ class EngineFleet:
                 self.lost_engines[name] = link.broken
                 with anyio.CancelScope(shield=True):
                     await self.remove_engine(name)
-
-
-async def _goodbye(link: EngineLink) -> None:
-    """Close the session and wait for its ack, skipping acks of abandoned streams."""
-    await link.channel.send(encode(Goodbye(session=link.session.session)))
-    while True:
-        reply = decode(await link.channel.recv())
-        if isinstance(reply, Ack) and reply.seq == GOODBYE_SEQ:
-            return
